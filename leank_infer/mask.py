@@ -1,0 +1,350 @@
+"""The LeanK mask format: one definition, used by training (export) and inference (load).
+
+A mask repo is a folder (or a Hub model repo) holding
+
+- ``mask.safetensors``: tensor ``keep`` (uint8 0/1, ``[layers, kv_heads, head_dim]``) and
+  optionally ``scores`` (float32, same shape: the learned channel scalers, alpha),
+- ``config.json``: the format version, the base model and how to load it, the shape, the
+  sink/recent/accumulation sizes the mask was trained for, the ratio and align, the recipe.
+
+Only safetensors and JSON are ever read: nothing from a mask repo is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+MASK_FILE = "mask.safetensors"
+CONFIG_FILE = "config.json"
+REQUIRED_KEYS = (
+    "format_version",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "sink_size",
+    "recent_size",
+    "accumu_size",
+    "ratio",
+    "align",
+)
+
+
+class MaskError(ValueError):
+    """A mask, a mask file or a mask/model pairing is not valid; the message says what and where."""
+
+
+def check_ratio_align(ratio: float, align: int, head_dim: int) -> None:
+    """Raise MaskError unless ``ratio`` is in [0, 1) and ``align`` is a positive divisor of ``head_dim``."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0.0 <= float(ratio) < 1.0):
+        raise MaskError(f"ratio must be a number in [0, 1) (the fraction of K channels pruned), got {ratio!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or head_dim % align != 0:
+        raise MaskError(f"align must be a positive integer that divides head_dim={head_dim}, got {align!r}")
+
+
+def model_shape(model_config: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers config (text config for multimodal ones)."""
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = int(cfg.num_hidden_layers)
+    q_heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or q_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+    return layers, kv_heads, int(head_dim)
+
+
+def binarize(scores: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
+    """LeanK's binarisation (LEANK.md, stage 2): global quantile, per-head count rounded to ``align``, top-k.
+
+    The threshold is the ``ratio``-quantile of all scores; a head keeps
+    ``round(#scores above threshold / align) * align`` channels, namely its highest-scoring ones.
+    Ties are broken by channel index, so the result is deterministic.
+    """
+    if scores.ndim != 3:
+        raise MaskError(f"scores must be [layers, kv_heads, head_dim], got shape {tuple(scores.shape)}")
+    head_dim = scores.shape[-1]
+    check_ratio_align(ratio, align, head_dim)
+    s = scores.detach().float().cpu()
+    if not torch.isfinite(s).all():
+        raise MaskError("scores contain NaN or inf; cannot binarise")
+    flat = s.flatten().sort().values
+    # quantile with linear interpolation, without torch.quantile's 16M-element limit
+    pos = ratio * (flat.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, flat.numel() - 1)
+    threshold = flat[lo] + (flat[hi] - flat[lo]) * (pos - lo)
+    above = (s > threshold).sum(-1)
+    counts = torch.floor(above.float() / align + 0.5).long().mul(align).clamp(0, head_dim)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(head_dim).expand_as(order).contiguous())
+    return rank < counts.unsqueeze(-1)
+
+
+@dataclass
+class ChannelMask:
+    """A static per-(layer, KV head, channel) keep mask for the middle part of the K cache.
+
+    ``keep`` is a bool tensor ``[layers, kv_heads, head_dim]``; ``scores`` the optional float
+    scalers it was binarised from. The sizes say which tokens are never pruned: the first
+    ``sink_size`` and the last ``recent_size`` (plus up to ``accumu_size`` awaiting compression).
+    """
+
+    keep: torch.Tensor
+    scores: torch.Tensor | None = None
+    sink_size: int = 128
+    recent_size: int = 768
+    accumu_size: int = 128
+    ratio: float = 0.7
+    align: int = 32
+    base_model: str | None = None
+    base_revision: str | None = None
+    loader: dict[str, Any] = field(default_factory=dict)
+    recipe: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, torch.Tensor) or self.keep.ndim != 3:
+            shape = tuple(self.keep.shape) if isinstance(self.keep, torch.Tensor) else type(self.keep)
+            raise MaskError(f"keep must be a 3-D tensor [layers, kv_heads, head_dim], got {shape}")
+        if self.keep.dtype != torch.bool:
+            if not bool(((self.keep == 0) | (self.keep == 1)).all()):
+                raise MaskError("keep must hold only 0 and 1")
+            self.keep = self.keep.bool()
+        self.keep = self.keep.cpu()
+        if self.scores is not None:
+            if tuple(self.scores.shape) != tuple(self.keep.shape):
+                raise MaskError(
+                    f"scores shape {tuple(self.scores.shape)} differs from keep shape {tuple(self.keep.shape)}"
+                )
+            self.scores = self.scores.detach().float().cpu()
+        check_ratio_align(self.ratio, self.align, self.head_dim)
+        for name in ("sink_size", "recent_size", "accumu_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise MaskError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.accumu_size < 1:
+            raise MaskError(f"accumu_size must be at least 1, got {self.accumu_size}")
+
+    # ---- shape ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.keep.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keep.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keep.shape[2]
+
+    @property
+    def kept_counts(self) -> torch.Tensor:
+        """Kept channels per (layer, KV head), int64 ``[layers, kv_heads]``."""
+        return self.keep.sum(-1)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_scores(cls, scores: torch.Tensor, ratio: float = 0.7, align: int = 32, **meta: Any) -> ChannelMask:
+        """Binarise learned scalers with LeanK's rule (see :func:`binarize`); ``meta`` fills the other fields."""
+        keep = binarize(scores, ratio, align)
+        return cls(keep=keep, scores=scores, ratio=float(ratio), align=int(align), **meta)
+
+    @classmethod
+    def full(cls, num_layers: int, num_kv_heads: int, head_dim: int, **meta: Any) -> ChannelMask:
+        """A mask that keeps every channel (LeanK decoding then equals dense decoding)."""
+        meta.setdefault("ratio", 0.0)
+        meta.setdefault("align", 1)
+        return cls(keep=torch.ones(num_layers, num_kv_heads, head_dim, dtype=torch.bool), **meta)
+
+    # ---- checks and statistics -------------------------------------------------------------
+    def validate(self, model_config: Any) -> None:
+        """Raise MaskError naming the first field where this mask does not fit ``model_config``."""
+        layers, kv_heads, head_dim = model_shape(model_config)
+        for name, want, got in (
+            ("num_layers", layers, self.num_layers),
+            ("num_kv_heads", kv_heads, self.num_kv_heads),
+            ("head_dim", head_dim, self.head_dim),
+        ):
+            if want != got:
+                raise MaskError(
+                    f"mask does not fit the model: {name} is {got} in the mask but {want} in the model "
+                    f"(mask base_model={self.base_model!r}, model={getattr(model_config, '_name_or_path', '?')!r})"
+                )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float16) -> dict[str, int]:
+        """K+V bytes one token costs in every layer: dense, and a LeanK middle (pruned) token."""
+        item = torch.empty((), dtype=dtype).element_size()
+        dense = 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+        k = int(self.keep.sum()) * item
+        v = int((self.kept_counts > 0).sum()) * self.head_dim * item
+        return {"dense": dense, "leank_middle": k + v}
+
+    def full_token_count(self, seq_len: int) -> tuple[int, int]:
+        """(full tokens, pruned middle tokens) that a cache holds right after a prefill of ``seq_len`` tokens."""
+        middle = max(0, seq_len - self.sink_size - self.recent_size)
+        return seq_len - middle, middle
+
+    def kv_cache_bytes(self, seq_len: int, batch_size: int = 1, dtype: torch.dtype = torch.float16) -> int:
+        """Bytes of K/V a LeanK cache holds after a prefill of ``seq_len`` tokens (the formula the cache meets)."""
+        per = self.kv_bytes_per_token(dtype)
+        full, middle = self.full_token_count(seq_len)
+        return batch_size * (full * per["dense"] + middle * per["leank_middle"])
+
+    def stats(self, model_config: Any = None, dtype: torch.dtype = torch.float16) -> dict[str, Any]:
+        """What the mask saves: kept fractions, zero heads, per-layer counts, bytes/token dense vs LeanK."""
+        if model_config is not None:
+            self.validate(model_config)
+        counts = self.kept_counts
+        per = self.kv_bytes_per_token(dtype)
+        return {
+            "k_kept_fraction": float(self.keep.float().mean()),
+            "v_kept_fraction": float((counts > 0).float().mean()),
+            "zero_heads": int((counts == 0).sum()),
+            "total_heads": counts.numel(),
+            "per_layer": counts.tolist(),
+            "bytes_per_token": {
+                "dtype": str(dtype).replace("torch.", ""),
+                "dense": per["dense"],
+                "leank": per["leank_middle"],
+                "ratio": per["leank_middle"] / per["dense"],
+            },
+        }
+
+    # ---- files ------------------------------------------------------------------------------
+    def to_config(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "base_model": self.base_model,
+            "base_revision": self.base_revision,
+            "loader": dict(self.loader),
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "sink_size": self.sink_size,
+            "recent_size": self.recent_size,
+            "accumu_size": self.accumu_size,
+            "ratio": self.ratio,
+            "align": self.align,
+            "recipe": self.recipe,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write ``mask.safetensors`` and ``config.json`` into ``save_directory`` (each file atomically)."""
+        from safetensors.torch import save_file
+
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {"keep": self.keep.to(torch.uint8).contiguous()}
+        if self.scores is not None:
+            tensors["scores"] = self.scores.float().contiguous()
+        _atomic_write(out / MASK_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "leank"}))
+        text = json.dumps(self.to_config(), indent=2, sort_keys=False) + "\n"
+        _atomic_write(out / CONFIG_FILE, lambda p: Path(p).write_text(text))
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any
+    ) -> ChannelMask:
+        """Load a mask from a local folder or a Hub repo id (only safetensors and JSON are read)."""
+        from .hub import resolve_mask_dir
+
+        folder = resolve_mask_dir(path_or_repo, revision=revision, **hub_kwargs)
+        return cls.from_dir(folder)
+
+    @classmethod
+    def from_dir(cls, folder: str | os.PathLike) -> ChannelMask:
+        """Load and check a local mask folder; every problem is one MaskError naming the file."""
+        folder = Path(folder)
+        cfg_path, mask_path = folder / CONFIG_FILE, folder / MASK_FILE
+        for p in (cfg_path, mask_path):
+            if not p.is_file():
+                raise MaskError(f"{p.name} is missing in {folder}")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MaskError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise MaskError(f"{cfg_path} must hold a JSON object")
+        version = cfg.get("format_version")
+        if version != FORMAT_VERSION:
+            raise MaskError(
+                f"{cfg_path}: unknown format_version {version!r} (this leank reads version {FORMAT_VERSION})"
+            )
+        missing = [k for k in REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise MaskError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
+        tensors = _read_safetensors(mask_path)
+        if "keep" not in tensors:
+            raise MaskError(f"{mask_path} has no tensor named 'keep'")
+        keep = tensors["keep"]
+        want = (cfg["num_layers"], cfg["num_kv_heads"], cfg["head_dim"])
+        if tuple(keep.shape) != tuple(want):
+            raise MaskError(f"{mask_path}: keep has shape {tuple(keep.shape)} but {cfg_path.name} says {want}")
+        if keep.dtype != torch.uint8:
+            raise MaskError(f"{mask_path}: keep must be uint8, got {keep.dtype}")
+        scores = tensors.get("scores")
+        if scores is not None and tuple(scores.shape) != tuple(want):
+            raise MaskError(f"{mask_path}: scores has shape {tuple(scores.shape)}, expected {want}")
+        try:
+            return cls(
+                keep=keep,
+                scores=scores,
+                sink_size=cfg["sink_size"],
+                recent_size=cfg["recent_size"],
+                accumu_size=cfg["accumu_size"],
+                ratio=cfg["ratio"],
+                align=cfg["align"],
+                base_model=cfg.get("base_model"),
+                base_revision=cfg.get("base_revision"),
+                loader=cfg.get("loader") or {},
+                recipe=cfg.get("recipe"),
+                extra=cfg.get("extra") or {},
+            )
+        except MaskError as e:
+            raise MaskError(f"{folder}: {e}") from None
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
+        """Upload this mask (and its model card) to the Hub in one commit; see :func:`leank_infer.hub.push_mask`."""
+        from .hub import push_mask
+
+        return push_mask(self, repo_id, **kwargs)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"ChannelMask(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"k_kept={s['k_kept_fraction']:.3f}, zero_heads={s['zero_heads']}, sink={self.sink_size}, "
+            f"recent={self.recent_size}, accumu={self.accumu_size}, base_model={self.base_model!r})"
+        )
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise MaskError(f"{path} is damaged or truncated and cannot be read as safetensors: {e}") from None
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    """Write through a temporary file in the same folder, then rename: no half-written file is ever visible."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,1 @@
+"""leank_train: learn LeanK masks by distillation with PyTorch Lightning."""
