@@ -58,11 +58,14 @@ def _embedded_copy(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config._name_or_path = EMBEDDED_MODEL_ID
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained: rebuild it plain from the de-quantised weights.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config._name_or_path = EMBEDDED_MODEL_ID
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
