@@ -1,0 +1,179 @@
+"""Model cards and pattern plots for mask repos, generated from the repo's files (never hand-edited)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from leank_infer.mask import ChannelMask
+
+# Licenses of base models we publish masks for; anything else is left for the user to fill in.
+KNOWN_LICENSES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama3.1",
+    "Qwen/Qwen2.5-7B-Instruct": "apache-2.0",
+    "Qwen/Qwen3-8B": "apache-2.0",
+    "mistralai/Mistral-7B-Instruct-v0.3": "apache-2.0",
+}
+
+CARD_TEMPLATE = """\
+---
+{card_data}
+---
+
+# LeanK mask for {base_model}
+
+A [LeanK](https://arxiv.org/abs/2508.02215) key-channel mask: a static, learned mask over the K
+channels of every attention head. Decoding with it keeps {k_pct:.1f}% of the K cache and
+{v_pct:.1f}% of the V cache for tokens outside the sink and recent windows, with full attention everywhere else.
+
+## Mask statistics
+
+| | value |
+|---|---|
+| K channels kept | {k_pct:.1f}% |
+| V kept (heads with >= 1 channel) | {v_pct:.1f}% |
+| heads with zero channels | {zero_heads} of {total_heads} |
+| KV bytes / pruned token ({dtype}) | {leank_bytes:,} vs {dense_bytes:,} dense ({bytes_ratio:.3f}x) |
+| sink / recent / accumulation tokens | {sink} / {recent} / {accumu} |
+| ratio / align | {ratio} / {align} |
+
+Figures from `python -c "from leank_infer import ChannelMask; print(ChannelMask.from_pretrained('{repo}').stats())"`.
+
+![Kept channels per layer and head](pattern.png)
+
+## Usage
+
+```python
+{usage}
+```
+
+{results}## Recipe
+
+This mask was produced by `leank run` with this recipe:
+
+```yaml
+{recipe}
+```
+"""
+
+USAGE = """\
+from leank_infer import LeanKModel
+
+m = LeanKModel.from_pretrained("{repo}")
+messages = [{{"role": "user", "content": "What is the capital of France?"}}]
+inputs = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = m.generate(**inputs, max_new_tokens=16, do_sample=False)
+print(m.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+
+
+def family_of(model_id: str | None) -> str | None:
+    name = (model_id or "").lower()
+    for fam in ("smollm", "llama", "qwen3", "qwen2", "mistral", "gemma", "phi"):
+        if fam in name:
+            return "llama" if fam == "smollm" else fam
+    return None
+
+
+def plot_pattern(mask: ChannelMask, path: str | Path) -> Path:
+    """Save the picture the paper uses: stage-1 scores (or kept channels) per layer x head x channel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = mask.scores if mask.scores is not None else mask.keep.float()
+    layers, heads, dim = values.shape
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(12, max(3.0, layers * 0.18)), gridspec_kw={"width_ratios": [4, 1]}
+    )
+    im = ax1.imshow(values.reshape(layers, heads * dim).numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1,
+                    interpolation="nearest")
+    for h in range(1, heads):
+        ax1.axvline(h * dim - 0.5, color="white", linewidth=0.6)
+    ax1.set_xlabel(f"KV head x channel ({heads} heads x {dim})")
+    ax1.set_ylabel("layer")
+    ax1.set_title("learned channel scalers" if mask.scores is not None else "kept channels")
+    fig.colorbar(im, ax=ax1, fraction=0.03)
+    counts = mask.kept_counts.numpy()
+    im2 = ax2.imshow(counts, aspect="auto", cmap="magma", vmin=0, vmax=dim, interpolation="nearest")
+    ax2.set_xlabel("KV head")
+    ax2.set_title("kept channels")
+    fig.colorbar(im2, ax=ax2, fraction=0.08)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] | None = None):
+    """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys."""
+    import torch
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    dtype = torch.bfloat16
+    s = mask.stats(dtype=dtype)
+    fam = family_of(mask.base_model)
+    tags = ["leank", "kv-cache", "pruning"] + ([fam] if fam else [])
+    results_md = ""
+    model_index: list[EvalResult] | None = None
+    if eval_results:
+        model_index = [
+            EvalResult(
+                task_type=r.get("task_type", "text-generation"),
+                task_name=r.get("task", "retrieval"),
+                dataset_type=r.get("dataset_type", "synthetic"),
+                dataset_name=r["dataset"],
+                metric_type=r.get("metric_type", "accuracy"),
+                metric_name=r.get("metric", "accuracy"),
+                metric_value=r["value"],
+            )
+            for r in eval_results
+        ]
+        rows = "\n".join(f"| {r['dataset']} | {r.get('metric', 'accuracy')} | {r['value']:.3f} |" for r in eval_results)
+        cmd = eval_results[0].get("command", "leank eval " + repo)
+        results_md = f"## Results\n\n`{cmd}`\n\n| dataset | metric | value |\n|---|---|---|\n{rows}\n\n"
+    data = ModelCardData(
+        base_model=mask.base_model,
+        library_name="leank",
+        tags=tags,
+        pipeline_tag="text-generation",
+        license=KNOWN_LICENSES.get(mask.base_model or ""),
+        model_name=f"leank-{(mask.base_model or 'model').split('/')[-1].lower()}",
+        eval_results=model_index,
+    )
+    text = CARD_TEMPLATE.format(
+        card_data=data.to_yaml(),
+        base_model=mask.base_model or "its base model",
+        k_pct=100 * s["k_kept_fraction"],
+        v_pct=100 * s["v_kept_fraction"],
+        zero_heads=s["zero_heads"],
+        total_heads=s["total_heads"],
+        dtype=s["bytes_per_token"]["dtype"],
+        leank_bytes=s["bytes_per_token"]["leank"],
+        dense_bytes=s["bytes_per_token"]["dense"],
+        bytes_ratio=s["bytes_per_token"]["ratio"],
+        sink=mask.sink_size,
+        recent=mask.recent_size,
+        accumu=mask.accumu_size,
+        ratio=mask.ratio,
+        align=mask.align,
+        repo=repo,
+        usage=USAGE.format(repo=repo),
+        results=results_md,
+        recipe=(mask.recipe or "# (no recipe recorded)").rstrip(),
+    )
+    return ModelCard(text)
+
+
+def write_model_card(
+    folder: str | Path, eval_results: list[dict[str, Any]] | None = None, repo: str | None = None
+) -> None:
+    """Write README.md and pattern.png into a mask repo folder, from its mask files alone."""
+    folder = Path(folder)
+    mask = ChannelMask.from_dir(folder)
+    # default: the project's hub/ folder for this base model (export may write from a temporary folder)
+    repo = repo or f"hub/{(mask.base_model or folder.name).split('/')[-1].lower()}"
+    plot_pattern(mask, folder / "pattern.png")
+    build_card(mask, repo, eval_results).save(folder / "README.md")

@@ -1,0 +1,61 @@
+"""Model cards: generated from the mask files, with the Hub metadata the issue asks for."""
+
+from __future__ import annotations
+
+import torch
+
+from leank_infer import ChannelMask
+from leank_infer.mask import MaskError
+
+
+def _mask_dir(tmp_path, base="HuggingFaceTB/SmolLM2-135M-Instruct"):
+    g = torch.Generator().manual_seed(0)
+    mask = ChannelMask.from_scores(torch.rand(4, 3, 64, generator=g) ** 2, 0.7, 16, base_model=base,
+                                   recipe="model: x\n", sink_size=16, recent_size=64, accumu_size=16)
+    mask.save_pretrained(tmp_path)
+    return mask
+
+
+def test_card_metadata_and_body(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from leank_train.card import write_model_card
+
+    mask = _mask_dir(tmp_path)
+    results = [{"dataset": "needle-2k", "value": 0.75, "command": "leank eval hub/x"}]
+    write_model_card(tmp_path, eval_results=results)
+    card = ModelCard.load(tmp_path / "README.md")
+    d = card.data.to_dict()
+    assert d["base_model"] == mask.base_model
+    assert d["library_name"] == "leank"
+    assert d["pipeline_tag"] == "text-generation"
+    assert {"leank", "kv-cache", "pruning", "llama"} <= set(d["tags"])
+    assert d["license"] == "apache-2.0"
+    assert d["model-index"][0]["results"][0]["metrics"][0]["value"] == 0.75
+    s = mask.stats(dtype=torch.bfloat16)
+    assert f"{100 * s['k_kept_fraction']:.1f}%" in card.text
+    assert f"{s['zero_heads']} of {s['total_heads']}" in card.text
+    assert "model: x" in card.text and "LeanKModel.from_pretrained(\"hub/smollm2-135m-instruct\")" in card.text
+    assert (tmp_path / "pattern.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_card_without_results_or_known_license(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from leank_train.card import write_model_card
+
+    _mask_dir(tmp_path, base="someone/unknown-model")
+    write_model_card(tmp_path, repo="someone/leank-mask")
+    d = ModelCard.load(tmp_path / "README.md").data.to_dict()
+    assert "license" not in d and "model-index" not in d
+    assert "LeanKModel.from_pretrained(\"someone/leank-mask\")" in (tmp_path / "README.md").read_text()
+
+
+def test_card_refuses_a_folder_without_mask(tmp_path):
+    import pytest
+
+    from leank_train.card import write_model_card
+
+    with pytest.raises(MaskError, match="missing"):
+        write_model_card(tmp_path)
+    assert not (tmp_path / "README.md").exists()

@@ -1,0 +1,189 @@
+"""The mask format: binarisation rule, save/load round trip, stats, and every bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from leank_infer import ChannelMask, MaskError
+from leank_infer.mask import CONFIG_FILE, MASK_FILE, binarize
+
+
+def random_mask(layers=2, heads=2, dim=16, ratio=0.5, align=4, seed=0, **meta) -> ChannelMask:
+    g = torch.Generator().manual_seed(seed)
+    return ChannelMask.from_scores(torch.rand(layers, heads, dim, generator=g), ratio, align, **meta)
+
+
+@pytest.mark.parametrize("ratio,align", [(0.7, 16), (0.5, 8), (0.9, 32), (0.0, 64), (0.3, 1)])
+def test_binarize_follows_the_rule(ratio, align):
+    torch.manual_seed(1)
+    scores = torch.rand(6, 3, 64) ** 3  # skewed, like trained scalers
+    keep = binarize(scores, ratio, align)
+    counts = keep.sum(-1)
+    assert (counts % align == 0).all(), "every head keeps a multiple of align channels"
+    # counts come from the global quantile, rounded per head
+    threshold = torch.quantile(scores.flatten(), ratio)
+    above = (scores > threshold).sum(-1).float()
+    assert torch.equal(counts, (torch.floor(above / align + 0.5) * align).long())
+    # each head keeps its highest-scoring channels
+    for layer in range(6):
+        for head in range(3):
+            c = int(counts[layer, head])
+            if 0 < c < 64:
+                kept, dropped = scores[layer, head][keep[layer, head]], scores[layer, head][~keep[layer, head]]
+                assert kept.min() >= dropped.max()
+    # the kept fraction is close to 1 - ratio (align rounding moves it by at most align/2 per head)
+    assert abs(keep.float().mean() - (1 - ratio)) <= align / 2 / 64 + 1e-6
+
+
+def test_binarize_is_deterministic_on_ties():
+    scores = torch.ones(2, 2, 16)
+    scores[..., :4] = 2.0
+    a, b = binarize(scores, 0.5, 4), binarize(scores.clone(), 0.5, 4)
+    assert torch.equal(a, b)
+
+
+def test_save_load_round_trip(tmp_path):
+    mask = random_mask(base_model="org/model", base_revision="abc", loader={"gguf_file": "m.gguf"},
+                       sink_size=4, recent_size=8, accumu_size=2, recipe="a: 1\n")
+    mask.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_FILE, MASK_FILE]
+    back = ChannelMask.from_pretrained(tmp_path)
+    assert torch.equal(back.keep, mask.keep) and back.keep.dtype == torch.bool
+    assert torch.equal(back.scores, mask.scores)
+    cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
+    for key in ("format_version", "base_model", "base_revision", "loader", "num_layers", "num_kv_heads",
+                "head_dim", "sink_size", "recent_size", "accumu_size", "ratio", "align", "recipe"):
+        assert key in cfg
+    assert (back.base_model, back.base_revision, back.loader) == ("org/model", "abc", {"gguf_file": "m.gguf"})
+    assert (back.sink_size, back.recent_size, back.accumu_size, back.recipe) == (4, 8, 2, "a: 1\n")
+
+
+def test_saved_keep_is_uint8(tmp_path):
+    from safetensors.torch import load_file
+
+    random_mask().save_pretrained(tmp_path)
+    assert load_file(str(tmp_path / MASK_FILE))["keep"].dtype == torch.uint8
+
+
+def test_stats_counts_and_bytes():
+    keep = torch.zeros(2, 2, 16, dtype=torch.bool)
+    keep[0, 0, :8] = True  # 8 channels
+    keep[1, 1, :] = True  # 16 channels, two heads at zero
+    mask = ChannelMask(keep=keep, ratio=0.5, align=8)
+    s = mask.stats(tiny_config("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16), dtype=torch.float16)
+    assert s["k_kept_fraction"] == pytest.approx(24 / 64)
+    assert s["v_kept_fraction"] == pytest.approx(2 / 4)
+    assert s["zero_heads"] == 2
+    assert s["per_layer"] == [[8, 0], [0, 16]]
+    assert s["bytes_per_token"]["dense"] == 2 * 2 * 2 * 16 * 2
+    assert s["bytes_per_token"]["leank"] == 24 * 2 + 2 * 16 * 2
+    # after a prefill, sink + recent stay full, the rest is pruned
+    mask2 = ChannelMask(keep=keep, ratio=0.5, align=8, sink_size=4, recent_size=10)
+    per = mask2.kv_bytes_per_token(torch.float32)
+    assert mask2.kv_cache_bytes(100, 3, torch.float32) == 3 * (14 * per["dense"] + 86 * per["leank_middle"])
+    assert mask2.kv_cache_bytes(12, 1, torch.float32) == 12 * per["dense"]  # nothing to prune
+
+
+def test_validate_names_the_mismatch(family):
+    mask = random_mask(layers=2, heads=2, dim=16)
+    mask.validate(tiny_config(family))  # fits
+    with pytest.raises(MaskError, match="num_layers"):
+        mask.validate(tiny_config(family, num_hidden_layers=3))
+    with pytest.raises(MaskError, match="num_kv_heads"):
+        mask.validate(tiny_config(family, num_key_value_heads=4))
+    with pytest.raises(MaskError, match="head_dim"):
+        mask.validate(tiny_config(family, head_dim=32))
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5, float("nan"), "0.7", True])
+def test_bad_ratio(ratio):
+    with pytest.raises(MaskError, match="ratio"):
+        ChannelMask.from_scores(torch.rand(2, 2, 16), ratio, 4)
+
+
+@pytest.mark.parametrize("align", [0, 3, 32, -4, 2.0])
+def test_bad_align(align):
+    with pytest.raises(MaskError, match="align"):
+        ChannelMask.from_scores(torch.rand(2, 2, 16), 0.5, align)
+
+
+def test_bad_scores():
+    with pytest.raises(MaskError, match="layers, kv_heads, head_dim"):
+        ChannelMask.from_scores(torch.rand(2, 16), 0.5, 4)
+    with pytest.raises(MaskError, match="NaN"):
+        ChannelMask.from_scores(torch.full((2, 2, 16), float("nan")), 0.5, 4)
+
+
+def test_keep_must_be_binary():
+    with pytest.raises(MaskError, match="0 and 1"):
+        ChannelMask(keep=torch.full((2, 2, 16), 2, dtype=torch.uint8), ratio=0.5, align=4)
+
+
+def _saved(tmp_path):
+    random_mask().save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_unknown_format_version(tmp_path):
+    folder = _saved(tmp_path)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    cfg["format_version"] = 99
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(MaskError, match="format_version 99"):
+        ChannelMask.from_pretrained(folder)
+
+
+def test_config_not_json(tmp_path):
+    folder = _saved(tmp_path)
+    (folder / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(MaskError, match="not valid JSON"):
+        ChannelMask.from_pretrained(folder)
+
+
+def test_config_missing_key(tmp_path):
+    folder = _saved(tmp_path)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    del cfg["sink_size"]
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(MaskError, match="sink_size"):
+        ChannelMask.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("keep_bytes", [10, 100, -1])
+def test_truncated_safetensors(tmp_path, keep_bytes):
+    folder = _saved(tmp_path)
+    data = (folder / MASK_FILE).read_bytes()
+    (folder / MASK_FILE).write_bytes(data[: keep_bytes if keep_bytes > 0 else len(data) - 7])
+    with pytest.raises(MaskError, match="damaged or truncated"):
+        ChannelMask.from_pretrained(folder)
+
+
+def test_shape_disagrees_with_config(tmp_path):
+    folder = _saved(tmp_path)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    cfg["num_layers"] = 3
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(MaskError, match="shape"):
+        ChannelMask.from_pretrained(folder)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(MaskError, match="missing"):
+        ChannelMask.from_pretrained(tmp_path)  # an empty folder
+
+
+def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError):
+        random_mask().save_pretrained(tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
