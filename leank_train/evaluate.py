@@ -1,0 +1,308 @@
+"""``leank eval``: retrieval accuracy and next-token KL, full model vs LeanK vs baselines at equal K budget.
+
+The prompts here deliberately share nothing with the training data (``leank_train.data``): other
+wordings (passkeys, access tokens, lucky numbers instead of "special magic" uuids/numbers) and another
+haystack (docstrings of the Python standard library instead of ``pydoc_data`` topics or noise).
+
+Baselines at the same K budget:
+- ``random``: per head the same number of kept channels as the learned mask, chosen at random;
+- ``think``: query-driven channel selection at prefill (ThinK): per KV head keep the channels with
+  the largest ``|Q_window| * |K|`` column-norm product, the same fraction in every head.
+
+The loop is a Lightning ``Trainer.test`` (its progress bar, its logging), metrics are torchmetrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader
+
+from leank_infer import ChannelMask
+
+KINDS = ("passkey", "multikey", "multivalue")
+METHODS = ("full", "leank", "random", "think")
+_HAYSTACK_MODULES = (
+    "collections", "functools", "itertools", "json", "argparse", "logging", "subprocess", "threading",
+    "unittest", "csv", "textwrap", "inspect", "typing", "pathlib", "random", "statistics", "decimal",
+    "fractions", "datetime", "calendar", "heapq", "bisect", "shutil", "tempfile", "zipfile", "tarfile",
+    "sqlite3", "socket", "selectors", "asyncio", "contextlib", "dataclasses", "enum", "string", "difflib",
+)
+_ANIMALS = "otter heron lynx badger falcon walrus ibis marmot gecko yak tapir okapi".split()
+
+
+def haystack_sentences() -> list[str]:
+    """Sentences from standard-library docstrings: English prose that training never sees."""
+    import importlib
+
+    seen, sentences = set(), []
+    for name in _HAYSTACK_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        objs = [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")]
+        for obj in objs:
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+            for para in (doc or "").split("\n\n"):
+                line = " ".join(para.split())
+                if len(line) < 40 or ">>>" in line or line in seen or not line[0].isalpha():
+                    continue
+                seen.add(line)
+                sentences.append(line)
+    return sentences
+
+
+@dataclass
+class Probe:
+    """One retrieval prompt: chat messages, the strings a correct answer contains, its length bucket."""
+
+    messages: list[dict[str, str]]
+    expected: list[str]
+    kind: str
+    length: int
+
+
+def make_probe(tokenizer: Any, kind: str, length: int, rng: random.Random, sentences: list[str]) -> Probe:
+    """A needle prompt of about ``length`` tokens of ``kind`` (passkey / multikey / multivalue)."""
+    if kind == "passkey":
+        value = str(rng.randint(1_000_000, 9_999_999))
+        needles = [f"The secret passcode for the vault is {value}. Keep it safe."]
+        question = "What is the secret passcode for the vault? Reply with the number only."
+        expected = [value]
+    elif kind == "multikey":
+        keys = [f"{rng.choice(_ANIMALS)}-{rng.randint(10, 99)}" for _ in range(4)]
+        vals = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=8)) for _ in keys]
+        needles = [f"The access token of {k} is {v}." for k, v in zip(keys, vals)]
+        i = rng.randrange(len(keys))
+        question = f"What is the access token of {keys[i]}? Reply with the token only."
+        expected = [vals[i]]
+    elif kind == "multivalue":
+        animal = rng.choice(_ANIMALS)
+        vals = [str(rng.randint(10_000, 99_999)) for _ in range(3)]
+        needles = [f"A lucky number of the {animal} is {v}." for v in vals]
+        question = f"List every lucky number of the {animal} mentioned in the text."
+        expected = vals
+    else:
+        raise ValueError(f"unknown probe kind {kind!r}; choose from {', '.join(KINDS)}")
+    intro = "Read the following documentation carefully. A few facts are hidden inside it."
+    overhead = len(tokenizer.apply_chat_template(
+        [{"role": "user", "content": intro + " ".join(needles) + question}], add_generation_prompt=True,
+        return_dict=True)["input_ids"])
+    budget = max(0, length - overhead)
+    start = rng.randrange(len(sentences))
+    hay: list[str] = []
+    used = 0
+    while used < budget:
+        s = sentences[(start + len(hay)) % len(sentences)]
+        used += len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+        hay.append(s)
+    for needle in needles:  # depths spread over 10%..90% of the haystack
+        hay.insert(int(len(hay) * rng.uniform(0.1, 0.9)), needle)
+    content = f"{intro}\n\n{' '.join(hay)}\n\n{question}"
+    return Probe([{"role": "user", "content": content}], expected, kind, length)
+
+
+def random_mask_like(mask: ChannelMask, seed: int = 0) -> ChannelMask:
+    """The same kept count per head as ``mask``, channels drawn at random."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.rand(mask.keep.shape, generator=g)
+    ranks = noise.argsort(-1).argsort(-1)
+    keep = ranks < mask.kept_counts.unsqueeze(-1)
+    return _with_keep(mask, keep)
+
+
+def _with_keep(mask: ChannelMask, keep: torch.Tensor) -> ChannelMask:
+    return ChannelMask(keep=keep, sink_size=mask.sink_size, recent_size=mask.recent_size,
+                       accumu_size=mask.accumu_size, ratio=mask.ratio, align=mask.align,
+                       base_model=mask.base_model, loader=mask.loader)
+
+
+_PROBE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, recording each layer's post-RoPE queries and keys (for the ThinK baseline)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _PROBE[module.layer_idx] = (query.detach(), key.detach())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: int = 32) -> ChannelMask:
+    """ThinK's query-driven selection for one prompt, at the learned mask's overall K budget."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("leank_probe", _probe_attention)
+    AttentionMaskInterface.register("leank_probe", sdpa_mask)
+    previous = model.config._attn_implementation
+    _PROBE.clear()
+    try:
+        model.set_attn_implementation("leank_probe")
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    per_head = int(round(float(mask.keep.float().mean()) * mask.head_dim))
+    keep = torch.zeros_like(mask.keep)
+    for layer, (q, k) in sorted(_PROBE.items()):
+        b, hq, _, d = q.shape
+        hkv = k.shape[1]
+        qn = q[:, :, -window:].float().reshape(b, hkv, hq // hkv, -1, d).norm(dim=(0, 2, 3))  # [Hkv, D]
+        kn = k.float().norm(dim=(0, 2))  # [Hkv, D]
+        top = (qn * kn).topk(per_head, dim=-1).indices
+        keep[layer].scatter_(-1, top.cpu(), True)
+    _PROBE.clear()
+    return _with_keep(mask, keep)
+
+
+class RetrievalEval(L.LightningModule):
+    """Answers every probe with each method; accuracy per (method, length) as torchmetrics."""
+
+    def __init__(self, lm: Any, methods: Sequence[str], lengths: Sequence[int], max_new_tokens: int = 24):
+        super().__init__()
+        self.lm = lm
+        self.methods = list(methods)
+        self.max_new_tokens = max_new_tokens
+        self.acc = torch.nn.ModuleDict({
+            f"{m}_{n}": torchmetrics.aggregation.MeanMetric() for m in self.methods for n in lengths
+        })
+        self.answers: list[dict[str, Any]] = []
+        self._random = random_mask_like(lm.mask)
+
+    def _answer(self, method: str, inputs: dict[str, torch.Tensor]) -> str:
+        from leank_infer import LeanKModel
+
+        lm = self.lm
+        gen = {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+        if method == "full":
+            out = lm.model.generate(**inputs, **gen)
+        elif method == "leank":
+            out = lm.generate(**inputs, **gen)
+        else:
+            m = self._random if method == "random" else think_mask(lm.model, inputs["input_ids"], lm.mask)
+            out = LeanKModel(lm.model, m, lm.tokenizer).generate(**inputs, **gen)
+        return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def test_step(self, probe: Probe, batch_idx: int) -> None:
+        tok = self.lm.tokenizer
+        inputs = tok.apply_chat_template(probe.messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)
+        row = {"kind": probe.kind, "length": probe.length, "tokens": int(inputs["input_ids"].shape[1]),
+               "expected": probe.expected}
+        for method in self.methods:
+            text = self._answer(method, dict(inputs))
+            ok = float(all(e in text for e in probe.expected))
+            self.acc[f"{method}_{probe.length}"].update(ok)
+            row[method] = text
+        self.answers.append(row)
+
+    def on_test_epoch_end(self) -> None:
+        for name, metric in self.acc.items():
+            if metric.update_count:
+                self.log(f"acc/{name}", metric.compute())
+
+    def results(self) -> dict[str, dict[int, float]]:
+        table: dict[str, dict[int, float]] = {m: {} for m in self.methods}
+        for name, metric in self.acc.items():
+            if metric.update_count:
+                method, length = name.rsplit("_", 1)
+                table[method][int(length)] = float(metric.compute())
+        return table
+
+
+@torch.no_grad()
+def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int = 32, windows: int = 2) -> float:
+    """Mean KL(full || LeanK) of next-token distributions while teacher-forcing held-out text."""
+    from transformers import DynamicCache
+
+    tok, model = lm.tokenizer, lm.model
+    ids = tok(" ".join(sentences[len(sentences) // 2:]), return_tensors="pt")["input_ids"][0]
+    kls = []
+    for w in range(windows):
+        seq = ids[w * (context + steps):(w + 1) * (context + steps)].unsqueeze(0)
+        if seq.shape[1] < context + steps:
+            break
+        caches = {"full": DynamicCache(config=model.config), "leank": lm.new_cache()}
+        logp = {}
+        for name, cache in caches.items():
+            out = model(input_ids=seq[:, :context], past_key_values=cache, use_cache=True)
+            rows = [out.logits[:, -1]]
+            for t in range(context, context + steps - 1):
+                rows.append(model(input_ids=seq[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            logp[name] = torch.log_softmax(torch.cat(rows).float(), -1)
+        kls.append((logp["full"].exp() * (logp["full"] - logp["leank"])).sum(-1).mean())
+    return float(torch.stack(kls).mean()) if kls else float("nan")
+
+
+def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, kinds: Sequence[str] = KINDS,
+             methods: Sequence[str] = METHODS, seed: int = 1234, kl: bool = True,
+             max_new_tokens: int = 24) -> dict[str, Any]:
+    """Run the retrieval probes (and the KL) and return accuracy per method and length."""
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    max_pos = getattr(lm.model.config, "max_position_embeddings", None)
+    if max_pos and max(lengths) + max_new_tokens > max_pos:
+        raise ValueError(f"length {max(lengths)} + {max_new_tokens} new tokens exceeds the model's {max_pos} positions")
+    sentences = haystack_sentences()
+    rng = random.Random(seed)
+    probes = [make_probe(lm.tokenizer, kinds[i % len(kinds)], n, rng, sentences)
+              for n in lengths for i in range(samples)]
+    module = RetrievalEval(lm, methods, lengths, max_new_tokens)
+    trainer = L.Trainer(accelerator="cpu" if lm.model.device.type == "cpu" else "auto", devices=1, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    trainer.test(module, DataLoader(probes, batch_size=None, collate_fn=lambda p: p), verbose=False)
+    out: dict[str, Any] = {"accuracy": module.results(), "samples_per_length": samples, "lengths": list(lengths),
+                           "answers": module.answers}
+    if kl:
+        out["next_token_kl"] = next_token_kl(lm, sentences)
+    return out
+
+
+def format_table(results: dict[str, Any]) -> str:
+    acc = results["accuracy"]
+    lengths = results["lengths"]
+    head = "| method | " + " | ".join(f"{n} tok" for n in lengths) + " |"
+    sep = "|---|" + "---|" * len(lengths)
+    rows = [f"| {m} | " + " | ".join(f"{acc[m].get(n, float('nan')):.2f}" for n in lengths) + " |" for m in acc]
+    lines = [head, sep, *rows]
+    if "next_token_kl" in results:
+        lines.append(f"\nmean next-token KL(full || LeanK): {results['next_token_kl']:.4f} nats")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="leank eval", description="Retrieval accuracy full vs LeanK vs baselines.")
+    p.add_argument("mask", help="mask repo folder or Hub id")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--samples", type=int, default=6, help="probes per length (kinds alternate)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-kl", action="store_true", help="skip the next-token KL measurement")
+    p.add_argument("--json", type=Path, default=None, help="write results (with every answer) to this file")
+    args = p.parse_args(argv)
+    from leank_infer import LeanKModel
+
+    lm = LeanKModel.from_pretrained(args.mask, revision=args.revision)
+    res = evaluate(lm, args.lengths, args.samples, args.kinds, args.methods, args.seed, kl=not args.no_kl)
+    cmd = "leank eval " + " ".join(argv)
+    print(f"\n`{cmd}`\n")
+    print(format_table(res))
+    if args.json:
+        args.json.write_text(json.dumps({"command": cmd, **res}, indent=2))
+    return 0
