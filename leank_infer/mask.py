@@ -124,6 +124,14 @@ class ChannelMask:
                     f"scores shape {tuple(self.scores.shape)} differs from keep shape {tuple(self.keep.shape)}"
                 )
             self.scores = self.scores.detach().float().cpu()
+            if not bool(torch.isfinite(self.scores).all()):
+                raise MaskError("scores contain NaN or inf")
+        if not isinstance(self.loader, dict):
+            raise MaskError(f"loader must be a JSON object (dict), got {type(self.loader).__name__}")
+        for name in ("base_model", "base_revision", "recipe"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
         check_ratio_align(self.ratio, self.align, self.head_dim)
         for name in ("sink_size", "recent_size", "accumu_size"):
             value = getattr(self, name)
