@@ -84,7 +84,7 @@ def make_probe(tokenizer: Any, kind: str, length: int, rng: random.Random, sente
     elif kind == "multikey":
         keys = [f"{rng.choice(_ANIMALS)}-{rng.randint(10, 99)}" for _ in range(4)]
         vals = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=8)) for _ in keys]
-        needles = [f"The access token of {k} is {v}." for k, v in zip(keys, vals)]
+        needles = [f"The access token of {k} is {v}." for k, v in zip(keys, vals, strict=True)]
         i = rng.randrange(len(keys))
         question = f"What is the access token of {keys[i]}? Reply with the token only."
         expected = [vals[i]]
