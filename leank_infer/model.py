@@ -1,0 +1,112 @@
+"""``LeanKModel``: a transformers causal LM that decodes with a LeanK-pruned K cache.
+
+The model itself is untouched but for its attention implementation, set to ``"leank"``: that
+function is plain SDPA unless a :class:`~leank_infer.cache.LeanKCache` is in use, so dense
+``model.generate`` / forward calls on the same object still work and give the dense result.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import attention as _attention
+from .cache import LeanKCache
+from .loading import load_base_model
+from .mask import ChannelMask
+
+
+def _same_model_id(a: str | None, b: str | None) -> bool:
+    """Whether two base-model ids can be compared and agree (local paths are not comparable: True)."""
+    if not a or not b or Path(a).exists() or Path(b).exists():
+        return True
+    return a.strip("/").lower() == b.strip("/").lower()
+
+
+class LeanKModel:
+    """A causal LM plus the ChannelMask it decodes with; ``generate`` uses a fresh LeanK cache each call.
+
+    ``LeanKModel(model, mask, tokenizer)`` wraps models already in memory. The mask is checked
+    against ``model.config`` first (a mask for another shape of model is a ``MaskError`` and the
+    model is left as it was).
+    """
+
+    def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None):
+        mask.validate(model.config)
+        self.model = model
+        self.mask = mask
+        self.tokenizer = tokenizer
+        _attention.register()
+        try:
+            model.set_attn_implementation(_attention.ATTN_IMPLEMENTATION)
+        except (AttributeError, ValueError):
+            model.config._attn_implementation = _attention.ATTN_IMPLEMENTATION
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        repo_or_dir: str | os.PathLike,
+        revision: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        **hf_kwargs: Any,
+    ) -> LeanKModel:
+        """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
+
+        With ``model=`` given, that model is used as is: its shape must fit the mask (else
+        ``MaskError``); if its name differs from the mask's ``base_model`` only a warning is
+        issued, since passing a model explicitly (a fine-tune, a local copy) is a deliberate choice.
+        """
+        mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
+        if model is None:
+            model, loaded_tokenizer = load_base_model(
+                mask.base_model, mask.base_revision, mask.loader, **hf_kwargs
+            )
+            tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        else:
+            mask.validate(model.config)
+            name = getattr(model.config, "_name_or_path", None)
+            if not _same_model_id(mask.base_model, name):
+                warnings.warn(
+                    f"the mask was trained for {mask.base_model!r} but the given model is {name!r}; "
+                    "shapes fit, so it is used as requested",
+                    stacklevel=2,
+                )
+        return cls(model, mask, tokenizer)
+
+    # ---- decoding ------------------------------------------------------------------------------
+    def new_cache(self) -> LeanKCache:
+        """An empty LeanK cache for this model (one per generation / conversation)."""
+        return LeanKCache(self.mask, config=self.model.config)
+
+    @torch.inference_mode()
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate`` with a fresh LeanK cache unless one is passed (``cache=``/``past_key_values=``)."""
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            kwargs.pop("past_key_values", None)
+            kwargs["cache"] = self.new_cache()
+        return self.model.generate(*args, **kwargs)
+
+    def kv_cache_bytes(self, cache: LeanKCache) -> int:
+        """Bytes of K/V the cache holds right now (its real tensor storage)."""
+        return cache.nbytes()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    forward = __call__
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def __repr__(self) -> str:
+        return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r})"

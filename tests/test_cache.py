@@ -1,0 +1,213 @@
+"""The LeanK cache + decode attention against the dense LeanK rule (leank_attention), layer by layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.masking_utils import sdpa_mask
+
+from leank_infer.attention import ChannelGroups, leank_attention_forward
+from leank_infer.cache import LeanKCache, LeanKLayer
+from leank_infer.mask import ChannelMask
+from leank_infer.masked_attention import leank_attention
+
+HKV, GROUPS, D = 4, 2, 16
+SINK, RECENT, ACCUMU = 3, 6, 4
+
+
+class _Attn(nn.Module):
+    """The attributes transformers' SDPA path reads from an attention module."""
+
+    is_causal = True
+    num_key_value_groups = GROUPS
+
+
+def _keep(seed: int = 0) -> torch.Tensor:
+    """Mixed kept counts: one zero head, two heads with 4 (one group), one with 8; random channels."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(HKV, D, dtype=torch.bool)
+    for h, count in enumerate((0, 4, 8, 4)):
+        keep[h, torch.randperm(D, generator=g)[:count]] = True
+    return keep
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+class _Run:
+    """Feeds random q/k/v through one LeanKLayer and the leank attention function, keeping the full K/V."""
+
+    def __init__(self, keep: torch.Tensor, lengths: list[int], seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.keep = keep
+        self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU)
+        t0 = max(lengths)
+        self.pad = torch.zeros(len(lengths), t0, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            self.pad[b, t0 - n :] = True  # left padding
+        self.starts = (~self.pad).sum(-1)
+        self.k = self.v = None
+
+    def _rand(self, q_len: int):
+        b = self.pad.shape[0]
+        r = lambda h: torch.randn(b, h, q_len, D, generator=self.gen)  # noqa: E731
+        return r(HKV * GROUPS), r(HKV), r(HKV)
+
+    def step(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``q_len`` new tokens; returns (LeanK output, the 4D mask the model would build)."""
+        q, k, v = self._rand(q_len)
+        past = 0 if self.k is None else self.k.shape[2]
+        if past:
+            self.pad = torch.cat([self.pad, torch.ones(self.pad.shape[0], q_len, dtype=torch.bool)], 1)
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        mask = sdpa_mask(
+            batch_size=q.shape[0],
+            q_length=q_len,
+            kv_length=past + q_len,
+            q_offset=past,
+            attention_mask=self.pad,
+        )
+        kwargs: dict = {}
+        kk, vv = self.layer.update(k, v, kwargs=kwargs)
+        assert kwargs["leank_layer"] is self.layer
+        out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=D**-0.5, **kwargs)
+        self.q = q
+        return out, mask
+
+    def reference(self) -> torch.Tensor:
+        """The dense LeanK rule per new query, with the recent boundary at the cache's ``recent_start``."""
+        total, q_len = self.k.shape[2], self.q.shape[2]
+        outs = []
+        for i in range(q_len):
+            p = total - q_len + i
+            outs.append(
+                leank_attention(
+                    self.q[:, :, i : i + 1],
+                    self.k[:, :, : p + 1],
+                    self.v[:, :, : p + 1],
+                    self.keep.float(),
+                    torch.tensor([p]),
+                    SINK,
+                    p - self.layer.recent_start,
+                    D**-0.5,
+                    key_start=self.starts,
+                    key_padding_mask=self.pad[:, : p + 1],
+                    skip_zero_heads=True,
+                )
+            )
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize(
+    "lengths", [[25], [25, 18], [9, 25], [5, 12]], ids=["b1", "b2-pad-second", "b2-pad-first", "b2-short"]
+)
+def test_decode_equals_dense_leank_rule(lengths):
+    run = _Run(_keep(), lengths)
+    run.step(max(lengths))  # prefill: plain attention, then compression
+    mids = {run.layer.mid_len}
+    for q_len in [1] * 9 + [3] + [1] * 6 + [5, 1]:
+        out, _ = run.step(q_len)
+        assert _rel_err(out, run.reference()) < 1e-5
+        mids.add(run.layer.mid_len)
+    assert len(mids) >= 3, "the accumulation buffer never moved tokens to the middle"
+
+
+def test_zero_heads_skip_their_middle_keys():
+    """A zero-channel head attends only to sink + recent: its output ignores middle V entirely."""
+    run = _Run(_keep(), [30])
+    run.step(30)
+    out1, _ = run.step(1)
+    # shift every middle V in the dense copy: the zero head (kv head 0) must not notice
+    zero_q = slice(0, GROUPS)  # query heads of kv head 0
+    run.v[:, :, SINK : run.layer.recent_start] += 100.0
+    ref = run.reference()
+    assert _rel_err(out1[:, :, zero_q], ref[:, :, zero_q]) < 1e-5
+    # while the other heads do read middle V
+    assert _rel_err(out1[:, :, GROUPS:], ref[:, :, GROUPS:]) > 1e-2
+
+
+def test_prefill_layout_and_storage():
+    keep = _keep()
+    run = _Run(keep, [40])
+    run.step(40)
+    layer = run.layer
+    assert (layer.head_len, layer.mid_len, layer.tail_len) == (SINK, 40 - SINK - RECENT, RECENT)
+    counts = keep.sum(-1)
+    assert [k.shape[-1] for k in layer.mid_k] == sorted({int(c) for c in counts if c > 0})
+    assert layer.mid_v.shape[1] == int((counts > 0).sum())  # no V for the zero head
+    # middle K really holds only the kept channels of each head
+    for heads, channels, k in zip(layer.groups.heads, layer.groups.channels, layer.mid_k, strict=True):
+        full = run.k[:, heads, SINK : SINK + layer.mid_len]
+        want = full.gather(-1, channels.view(1, len(heads), 1, -1).expand(1, len(heads), layer.mid_len, -1))
+        assert torch.equal(k, want)
+    item = 4
+    mask = ChannelMask(
+        keep=keep.unsqueeze(0), sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, align=4
+    )
+    assert layer.nbytes() == mask.kv_cache_bytes(40, 1, torch.float32)
+    assert layer.nbytes() < 2 * 40 * HKV * D * item
+
+
+def test_channel_groups_are_dense_per_count():
+    g = ChannelGroups.from_keep(_keep())
+    assert g.counts == (4, 8)
+    assert [h.tolist() for h in g.heads] == [[1, 3], [2]]
+    assert g.nonzero_order.tolist() == [1, 3, 2]
+    assert g.v_offsets == (0, 2)
+    assert g.nonzero.tolist() == [False, True, True, True]
+
+
+def test_batch_select_keeps_rows_consistent():
+    """A row selected out of a padded batch decodes as it did in the batch, even with no mask at all:
+    the layer keeps each row's start, so padding stays out of the head."""
+    run = _Run(_keep(), [20, 14], seed=3)
+    run.step(20)
+    for _ in range(6):
+        run.step(1)
+    single = copy.deepcopy(run.layer)
+    cache = LeanKCache(
+        ChannelMask(
+            keep=_keep().unsqueeze(0), sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, align=4
+        )
+    )
+    cache.layers = [single]
+    cache.batch_select_indices(torch.tensor([1]))
+    assert single.starts.tolist() == [6]
+    batch_out, _ = run.step(1)
+    kwargs: dict = {}
+    single.update(run.k[1:, :, -1:], run.v[1:, :, -1:], kwargs=kwargs)
+    one, _ = leank_attention_forward(_Attn(), run.q[1:], None, None, None, scaling=D**-0.5, **kwargs)
+    assert _rel_err(one, batch_out[1:]) < 1e-5
+
+
+def test_crop_drops_only_uncompressed_tokens():
+    run = _Run(_keep(), [30])
+    run.step(30)
+    run.step(1)
+    run.step(1)
+    n = run.layer.length
+    run.layer.crop(-1)
+    assert run.layer.length == n - 1
+    with pytest.raises(ValueError, match="uncompressed"):
+        run.layer.crop(-20)
+    with pytest.raises(ValueError, match="negative"):
+        run.layer.crop(3)
+
+
+def test_cache_refuses_other_attention_implementations(family):
+    from conftest import tiny_model
+
+    model = tiny_model(family)
+    model.set_attn_implementation("sdpa")
+    mask = ChannelMask.full(2, 2, 16, sink_size=2, recent_size=4, accumu_size=2)
+    cache = LeanKCache(mask, config=model.config)
+    ids = torch.randint(3, 128, (1, 12))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(RuntimeError, match="attn_implementation='leank'"):
+            model(ids[:, :1], cache=cache)
