@@ -1,0 +1,264 @@
+"""LeanKModel end to end on tiny random models of every family (and one slow run on the embedded model)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from leank_infer import ChannelMask, LeanKModel, MaskError
+from leank_infer.cache import LeanKCache, dynamic_cache_bytes
+
+SIZES = dict(sink_size=4, recent_size=8, accumu_size=4)
+
+
+def full_mask(**kw) -> ChannelMask:
+    return ChannelMask.full(2, 2, 16, **{**SIZES, **kw})
+
+
+def random_mask(seed: int = 0, ratio: float = 0.5, **kw) -> ChannelMask:
+    """A mask over the tiny models (2 layers, 2 KV heads, head_dim 16) with mixed and zero kept counts."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(2, 2, 16, generator=g)
+    scores[0, 0] *= 0.1  # this head falls under the threshold: zero channels
+    mask = ChannelMask.from_scores(scores, ratio, 4, **{**SIZES, **kw})
+    assert (mask.kept_counts == 0).any() and len(set(mask.kept_counts.flatten().tolist())) > 2
+    return mask
+
+
+def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_generate(model, ids, **kw) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+
+
+def tiny_repo(tmp_path: Path, family: str = "llama", mask: ChannelMask | None = None) -> tuple[Path, object]:
+    """A saved tiny model + word-level tokenizer, and a mask folder naming it as base model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w3"
+    model = tiny_model(family)
+    model_dir = tmp_path / "base"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    mask = mask or random_mask()
+    mask.base_model = str(model_dir)
+    mask_dir = mask.save_pretrained(tmp_path / "mask")
+    return mask_dir, model
+
+
+def test_full_mask_generate_equals_hf(family):
+    """Keeping every channel, LeanK decoding (with compressions happening) is dense decoding."""
+    model = tiny_model(family)
+    ids = prompt(40)
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    want = hf_generate(model, ids, **kw)
+    lk = LeanKModel(model, full_mask())
+    cache = lk.new_cache()
+    got = lk.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert torch.equal(got, want)
+    assert cache.region_lengths()["middle"] > 40 - 4 - 8  # the accumulation buffer was compressed too
+
+
+def test_sampling_chunked_prefill_and_beams_equal_hf():
+    model = tiny_model("qwen2")
+    ids = prompt(37, seed=1)
+    lk = LeanKModel(model, full_mask())
+    for kw in (
+        dict(do_sample=True, top_k=20, temperature=0.9),
+        dict(do_sample=False, prefill_chunk_size=16),
+        dict(do_sample=False, num_beams=2),
+    ):
+        torch.manual_seed(0)
+        want = hf_generate(model, ids, max_new_tokens=12, **kw)
+        torch.manual_seed(0)
+        got = lk.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, **kw)
+        assert torch.equal(got, want), kw
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_left_padded_batch_equals_each_prompt_alone(family):
+    model = tiny_model(family)
+    lk = LeanKModel(model, random_mask(seed=1))
+    a, b = prompt(30, seed=2)[0], prompt(17, seed=3)[0]
+    batch = torch.zeros(2, 30, dtype=torch.long)
+    attn = torch.zeros(2, 30, dtype=torch.long)
+    batch[0], attn[0] = a, 1
+    batch[1, 13:], attn[1, 13:] = b, 1
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    both = lk.generate(batch, attention_mask=attn, **kw)[:, 30:]
+    for row, ids in ((0, a), (1, b)):
+        alone = lk.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw)
+        assert torch.equal(both[row], alone[0, len(ids) :]), row
+
+
+def test_pruning_changes_decoding_but_not_prefill():
+    """A real mask prunes: prefill logits stay dense, later tokens may differ from dense decoding."""
+    model = tiny_model("llama")
+    ids = prompt(60, seed=4)
+    dense = model(ids).logits
+    lk = LeanKModel(model, random_mask(ratio=0.7))
+    cache = lk.new_cache()
+    with torch.no_grad():
+        out = lk(ids, cache=cache)
+        assert torch.allclose(out.logits, dense, atol=1e-5)
+        nxt = out.logits[:, -1:].argmax(-1)
+        dense_next = model(torch.cat([ids, nxt], 1)).logits[:, -1]
+        leank_next = lk(nxt, cache=cache).logits[:, -1]
+    assert not torch.allclose(leank_next, dense_next, atol=1e-4)
+
+
+def test_kv_bytes_for_2048_tokens_follow_the_mask_formula():
+    model = tiny_model("llama")
+    mask = random_mask(ratio=0.7, sink_size=16, recent_size=64, accumu_size=16)
+    lk = LeanKModel(model, mask)
+    ids = prompt(2048, seed=5)
+    cache, dense = lk.new_cache(), DynamicCache(config=model.config)
+    with torch.no_grad():
+        lk(ids, cache=cache)
+        model(ids, cache=dense)
+    got = lk.kv_cache_bytes(cache)
+    assert got == mask.kv_cache_bytes(2048, 1, torch.float32)
+    assert got < dynamic_cache_bytes(dense) == 2048 * mask.kv_bytes_per_token(torch.float32)["dense"]
+
+
+def test_mismatched_mask_is_refused_before_touching_the_model():
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    wrong = ChannelMask.full(3, 2, 16, **SIZES)
+    with pytest.raises(MaskError, match="num_layers"):
+        LeanKModel(model, wrong)
+    assert model.config._attn_implementation == impl
+    with pytest.raises(MaskError, match="head_dim"):
+        LeanKModel(model, ChannelMask.full(2, 2, 32, **SIZES))
+
+
+def test_short_prompt_runs_unpruned():
+    model = tiny_model("mistral")
+    ids = prompt(6, seed=6)
+    want = hf_generate(model, ids, max_new_tokens=6, do_sample=False)
+    lk = LeanKModel(model, random_mask(ratio=0.7))
+    cache = lk.new_cache()
+    got = lk.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, cache=cache
+    )
+    assert torch.equal(got, want)
+    assert cache.region_lengths()["middle"] == 0
+    assert (
+        cache.nbytes() == cache.region_lengths()["total"] * lk.mask.kv_bytes_per_token(torch.float32)["dense"]
+    )
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class _StopAfter(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_streamer_and_stopping_criteria():
+    model = tiny_model("llama")
+    lk = LeanKModel(model, random_mask())
+    ids = prompt(30, seed=7)
+    streamer = _Collect()
+    out = lk.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=50,
+        do_sample=False,
+        streamer=streamer,
+        stopping_criteria=StoppingCriteriaList([_StopAfter(30 + 7)]),
+    )
+    assert out.shape[1] == 37
+    assert streamer.ended
+    assert sum(streamer.chunks, []) == out[0].tolist()  # the prompt, then each new token
+
+
+def test_forward_without_leank_cache_is_dense():
+    model = tiny_model("qwen3")
+    ids = prompt(20, seed=8)
+    with torch.no_grad():
+        want = model(ids).logits
+        lk = LeanKModel(model, random_mask())
+        assert torch.allclose(lk(ids).logits, want, atol=1e-6)
+        assert isinstance(lk.new_cache(), LeanKCache)
+
+
+def test_from_pretrained_loads_base_model_and_tokenizer(tmp_path):
+    mask_dir, _ = tiny_repo(tmp_path)
+    lk = LeanKModel.from_pretrained(mask_dir)
+    assert lk.model.config._attn_implementation == "leank"
+    assert lk.tokenizer is not None and torch.equal(lk.mask.keep, ChannelMask.from_pretrained(mask_dir).keep)
+    enc = lk.tokenizer("w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18", return_tensors="pt")
+    out = lk.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 14 + 5)
+
+
+def test_from_pretrained_with_model_checks_shape_and_warns_on_name(tmp_path):
+    mask_dir, _ = tiny_repo(tmp_path)
+    other = tiny_model("llama", num_hidden_layers=3)
+    with pytest.raises(MaskError):
+        LeanKModel.from_pretrained(mask_dir, model=other)
+    mask = ChannelMask.from_pretrained(mask_dir)
+    mask.base_model = "org/some-model"
+    mask.save_pretrained(mask_dir)
+    given = tiny_model("llama")
+    given.config._name_or_path = "org/another-model"
+    with pytest.warns(UserWarning, match="org/some-model"):
+        lk = LeanKModel.from_pretrained(mask_dir, model=given)
+    assert lk.model is given
+
+
+@pytest.mark.slow
+def test_embedded_model_generates_with_a_pruned_cache(embedded):
+    model, tok = embedded
+    mask = ChannelMask.from_scores(
+        torch.rand(30, 3, 64, generator=torch.Generator().manual_seed(0)),
+        0.7,
+        16,
+        sink_size=16,
+        recent_size=64,
+        accumu_size=16,
+    )
+    lk = LeanKModel(model, mask, tok)
+    text = " ".join(f"Item {i} is {(i * 37) % 101}." for i in range(100)) + " What is item 7?"
+    enc = tok(text, return_tensors="pt")
+    n = enc["input_ids"].shape[1]
+    assert 500 < n < 900
+    cache = lk.new_cache()
+    t0 = time.perf_counter()
+    out = lk.generate(**enc, max_new_tokens=24, do_sample=False, cache=cache)
+    assert time.perf_counter() - t0 < 30
+    assert out.shape[1] > n
+    dense = (out.shape[1] - 1) * mask.kv_bytes_per_token(torch.float32)["dense"]
+    assert cache.nbytes() < dense
+    assert cache.region_lengths()["middle"] >= n - 16 - 64
+    assert tok.decode(out[0, n:], skip_special_tokens=True).strip()
