@@ -1,81 +1,166 @@
-"""Pulling and pushing mask repos through huggingface_hub (no hand-written HTTP)."""
+"""Pulling and pushing mask repos through huggingface_hub's own API (no hand-written HTTP).
+
+Pull: ``snapshot_download`` of the safe files only, so the Hub cache, revision pinning (branch,
+tag or commit) and offline mode (``HF_HUB_OFFLINE=1``) are huggingface_hub's; every failure is
+one :class:`MaskError` that names the repo and the revision.
+Push: ``create_repo`` (and ``create_branch``), then one ``create_commit`` holding the whole folder.
+``endpoint=`` and ``token=`` reach huggingface_hub unchanged; by default it uses ``HF_ENDPOINT``
+and ``HF_TOKEN`` (or the saved login) as usual.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .mask import CONFIG_FILE, MASK_FILE, MaskError
 
 if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
     from .mask import ChannelMask
 
-# What is ever downloaded from a mask repo: safe formats, the card and the plot.
+# What is ever downloaded from (or uploaded to) a mask repo: safe formats, the card and the plot.
 ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "*.png"]
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def is_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set, at import time or since."""
+    from huggingface_hub import constants
+
+    env = (os.environ.get(name, "").upper() for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return constants.is_offline_mode() or any(v in _TRUE for v in env)
+
+
+def _where(repo_id: str, revision: str | None) -> str:
+    return f"mask repo {repo_id!r} at revision {revision or 'main'!r}"
 
 
 def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any) -> Path:
-    """A local folder as is, or a Hub repo id downloaded (or found in the Hub cache) at ``revision``."""
+    """A local folder as is, or a Hub repo id downloaded (or found in the Hub cache) at ``revision``.
+
+    ``revision`` is a branch, a tag or a full commit id; ``hub_kwargs`` go to
+    ``huggingface_hub.snapshot_download`` (``endpoint``, ``token``, ``cache_dir``, ``force_download``...).
+    Only :data:`ALLOW_PATTERNS` are fetched: pickle files in a repo are never downloaded.
+    """
     local = Path(path_or_repo)
     if local.is_dir():
         return local
     repo_id = str(path_or_repo)
-    if local.exists() or repo_id.startswith((".", "/")) or repo_id.count("/") > 1:
+    if local.exists() or repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
         raise MaskError(f"mask path {repo_id!r} is not a folder and not a Hub repo id (owner/name)")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
-        EntryNotFoundError,
+        FileMetadataError,
+        HfHubHTTPError,
         HFValidationError,
         LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
-    where = f"{repo_id!r} at revision {revision or 'main'!r}"
+    where = _where(repo_id, revision)
+    endpoint = hub_kwargs.get("endpoint") or constants.ENDPOINT
+    if is_offline():
+        hub_kwargs["local_files_only"] = True
     try:
-        folder = Path(
-            snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, **hub_kwargs)
-        )
-    except RevisionNotFoundError:
-        raise MaskError(f"mask repo {repo_id!r} has no revision {revision!r}") from None
-    except RepositoryNotFoundError:
-        raise MaskError(f"mask repo {where} not found on the Hub (or it is private and no token was given)") from None
-    except EntryNotFoundError as e:
-        raise MaskError(f"mask repo {where}: a file is missing ({e})") from None
-    except LocalEntryNotFoundError:
-        raise MaskError(
-            f"mask repo {where} is not in the local Hub cache and the Hub cannot be reached "
-            "(offline mode or no network); connect once or pass a local folder"
-        ) from None
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, **hub_kwargs))
     except HFValidationError as e:
-        raise MaskError(f"{repo_id!r} is not a valid Hub repo id: {e}") from None
-    if not (folder / MASK_FILE).is_file():
-        _explain_missing(repo_id, revision, folder, **hub_kwargs)
+        raise MaskError(f"{repo_id!r} is neither a local folder nor a valid Hub repo id: {e}") from None
+    except RevisionNotFoundError:
+        raise MaskError(f"{where}: the repo has no branch, tag or commit named {revision!r}") from None
+    except RepositoryNotFoundError:
+        raise MaskError(
+            f"{where} was not found on the Hub ({endpoint}): no such repo, or it is private and no valid "
+            f"token was given (and there is no local folder {repo_id!r})"
+        ) from None
+    except LocalEntryNotFoundError as e:  # before RemoteEntryNotFoundError: both are EntryNotFoundError
+        cache = hub_kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+        if hub_kwargs.get("local_files_only"):
+            why = "offline mode is on (HF_HUB_OFFLINE=1)" if is_offline() else "local_files_only=True"
+        else:
+            cause = e.__cause__ or e
+            why = f"the Hub ({endpoint}) cannot be reached ({type(cause).__name__})"
+        raise MaskError(
+            f"{where} is not (completely) in the local Hub cache {cache} and {why}; "
+            f"pull it once online (leank pull {repo_id}) or pass a local folder"
+        ) from None
+    except RemoteEntryNotFoundError as e:
+        raise MaskError(f"{where}: a file listed by the Hub could not be downloaded ({e})") from None
+    except (HfHubHTTPError, FileMetadataError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MaskError(f"{where}: the Hub ({endpoint}) refused the download: {first}") from None
+    missing = [name for name in (MASK_FILE, CONFIG_FILE) if not (folder / name).is_file()]
+    if missing:
+        _explain_missing(repo_id, revision, folder, missing, hub_kwargs)
     return folder
 
 
-def _explain_missing(repo_id: str, revision: str | None, folder: Path, **hub_kwargs: Any) -> None:
-    """Raise the right MaskError for a snapshot without mask.safetensors."""
-    names: list[str] = []
-    try:
+def _explain_missing(
+    repo_id: str, revision: str | None, folder: Path, missing: list[str], hub_kwargs: dict[str, Any]
+) -> None:
+    """Raise the MaskError for a snapshot that lacks ``missing`` files, naming pickle files the repo holds."""
+    names: list[str] | None = None
+    if not hub_kwargs.get("local_files_only"):
         from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
 
-        names = HfApi(endpoint=hub_kwargs.get("endpoint")).list_repo_files(
-            repo_id, revision=revision, token=hub_kwargs.get("token")
-        )
-    except Exception:  # offline: the snapshot is all we know
-        names = [p.name for p in folder.iterdir()]
-    where = f"{repo_id!r} at revision {revision or 'main'!r}"
-    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+        commit = folder.name if _COMMIT_RE.fullmatch(folder.name) else revision
+        try:
+            api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"))
+            names = api.list_repo_files(repo_id, revision=commit)
+        except (HfHubHTTPError, OSError):  # unreachable now: the snapshot is all we know
+            names = None
+    if names is None:
+        names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    where = _where(repo_id, revision)
+    listing = ", ".join(n for n in names if n != ".gitattributes") or "none"
+    message = f"{where} has no {' and no '.join(missing)} (files: {listing})"
+    pickles = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
-        raise MaskError(
-            f"mask repo {where} holds only pickle files ({', '.join(sorted(pickles))}); leank reads "
-            "safetensors + JSON only and never unpickles downloaded files"
+        message += (
+            f"; its pickle files ({', '.join(pickles)}) are not read: leank reads only safetensors and JSON "
+            f"({MASK_FILE} + {CONFIG_FILE}) and never unpickles downloaded files"
         )
-    raise MaskError(f"mask repo {where} has no {MASK_FILE}")
+    raise MaskError(message)
+
+
+def mask_repo_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """The files of a mask repo folder that are pushed: top-level :data:`ALLOW_PATTERNS` matches, by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MaskError(f"{folder} is not a folder")
+    files = {
+        p.name: p
+        for p in sorted(folder.iterdir())
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in ALLOW_PATTERNS)
+    }
+    missing = [name for name in (MASK_FILE, CONFIG_FILE) if name not in files]
+    if missing:
+        raise MaskError(f"{folder} has no {' and no '.join(missing)}: nothing to push")
+    return files
+
+
+def _write_card(folder: Path, repo_id: str) -> None:
+    """README.md and pattern.png for ``folder`` from ``leank_train.card`` when the training extra is installed."""
+    try:
+        from leank_train.card import write_model_card
+
+        write_model_card(folder, repo=repo_id)
+    except ImportError as e:
+        warnings.warn(
+            f"pushing the mask without a model card and plot ({e.name or e} is missing; pip install 'leank[train]')",
+            stacklevel=3,
+        )
 
 
 def push_mask(
@@ -85,29 +170,42 @@ def push_mask(
     private: bool | None = None,
     revision: str | None = None,
     commit_message: str | None = None,
-    token: str | None = None,
+    commit_description: str | None = None,
+    token: str | bool | None = None,
     endpoint: str | None = None,
     folder: str | os.PathLike | None = None,
-) -> str:
-    """Create ``repo_id`` if needed and upload the mask folder in one commit; returns the commit URL.
+) -> CommitInfo:
+    """Create ``repo_id`` if needed and upload the mask repo in one commit; returns the ``CommitInfo``.
 
-    ``folder`` (a mask repo folder with its card and plot) is uploaded as is when given;
-    otherwise the mask is saved to a temporary folder first.
+    ``folder`` (a mask repo folder: mask, config, and the card and plot from
+    ``leank_train.card.write_model_card``) is checked to load and then uploaded as is; without it,
+    ``mask`` is saved to a temporary folder with a fresh card and plot (when the training extra is
+    installed; mask and config only otherwise). ``revision`` is a branch,
+    created from ``main`` when missing. The result is a ``str`` (the commit URL) with ``.oid``.
+    Hub errors (auth, permissions) are huggingface_hub's own exceptions.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from .mask import ChannelMask
 
     api = HfApi(endpoint=endpoint, token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    if revision is not None and revision != "main":
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
     message = commit_message or f"Upload LeanK mask for {mask.base_model or 'its base model'}"
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(folder) if folder is not None else mask.save_pretrained(tmp)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=str(src),
-            revision=revision,
+        if folder is not None:
+            ChannelMask.from_dir(folder)  # never push something that does not load
+            src = Path(folder)
+        else:
+            src = mask.save_pretrained(tmp)
+            _write_card(src, repo_id)
+        files = mask_repo_files(src)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision is not None and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+        return api.create_commit(
+            repo_id,
+            operations,
             commit_message=message,
-            allow_patterns=ALLOW_PATTERNS,
+            commit_description=commit_description,
+            revision=revision,
         )
-    return str(info)

@@ -1,45 +1,68 @@
-"""``leank push DIR REPO_ID`` and ``leank pull REPO_ID``."""
+"""``leank push DIR REPO_ID`` and ``leank pull REPO_ID``: the Hub side of mask repos.
+
+Both go through huggingface_hub, so ``HF_ENDPOINT``, ``HF_TOKEN`` (or ``hf auth login``),
+``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` work as they do for every Hub client.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .mask import ChannelMask, MaskError
 
 
 def push_main(argv: Sequence[str]) -> int:
+    """Upload a mask repo folder (mask, config, card, plot) to ``REPO_ID`` in one commit."""
     p = argparse.ArgumentParser(prog="leank push", description="Upload a mask repo folder in one commit.")
-    p.add_argument("folder")
-    p.add_argument("repo_id")
-    p.add_argument("--private", action="store_true")
-    p.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    p.add_argument("folder", help="mask repo folder: mask.safetensors, config.json, README.md, pattern.png")
+    p.add_argument("repo_id", help="Hub model repo (owner/name), created if missing")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
     p.add_argument("--commit-message", default=None)
     args = p.parse_args(argv)
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from .hub import push_mask
+
     try:
         mask = ChannelMask.from_dir(args.folder)  # refuse to push something that does not load
-        url = mask.push_to_hub(
+        for name in ("README.md", "pattern.png"):
+            if not (Path(args.folder) / name).is_file():
+                print(
+                    f"leank push: note: {args.folder} has no {name} "
+                    "(write the card and plot with leank_train.card.write_model_card)",
+                    file=sys.stderr,
+                )
+        info = push_mask(
+            mask,
             args.repo_id,
             private=args.private or None,
             revision=args.revision,
             commit_message=args.commit_message,
             folder=args.folder,
         )
-    except MaskError as e:
-        raise SystemExit(f"leank push: {e}") from None
-    print(url)
+    except (MaskError, HfHubHTTPError) as e:
+        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise SystemExit(f"leank push: {args.repo_id} (revision {args.revision or 'main'}): {text}") from None
+    print(info)
     return 0
 
 
 def pull_main(argv: Sequence[str]) -> int:
+    """Download a mask repo into the Hub cache (or find it there); print its folder and the mask."""
     p = argparse.ArgumentParser(prog="leank pull", description="Download a mask repo into the Hub cache.")
-    p.add_argument("repo_id")
-    p.add_argument("--revision", default=None, help="branch, tag or commit")
+    p.add_argument("repo_id", help="Hub model repo (owner/name)")
+    p.add_argument("--revision", default=None, help="branch, tag or full commit id (default: main)")
+    p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: HF_HUB_CACHE)")
     args = p.parse_args(argv)
     from .hub import resolve_mask_dir
 
+    kwargs = {"cache_dir": args.cache_dir} if args.cache_dir else {}
     try:
-        folder = resolve_mask_dir(args.repo_id, revision=args.revision)
+        folder = resolve_mask_dir(args.repo_id, revision=args.revision, **kwargs)
         mask = ChannelMask.from_dir(folder)
     except MaskError as e:
         raise SystemExit(f"leank pull: {e}") from None
