@@ -88,6 +88,12 @@ def api():
     return HfApi()
 
 
+def hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
 def titles(revision: str = "main") -> list[str]:
     return [c.title for c in api().list_repo_commits(REPO, revision=revision)]
 
@@ -311,9 +317,11 @@ def test_missing_file_is_named(hub: FakeHub) -> None:
 def test_card_metadata_survives_the_round_trip(hub: FakeHub, folder: Path) -> None:
     from huggingface_hub import ModelCard
 
+    from leank_infer.hub import resolve_mask_dir
+
     ChannelMask.from_dir(folder).push_to_hub(REPO, folder=folder)
     local = ModelCard.load(folder / "README.md")
-    pulled = ModelCard.load(pulled_dir() / "README.md")
+    pulled = ModelCard.load(resolve_mask_dir(REPO) / "README.md")
     remote = ModelCard.load(REPO)  # straight from the Hub through huggingface_hub
     for card in (pulled, remote):
         assert card.data.to_dict() == local.data.to_dict()
@@ -322,15 +330,3 @@ def test_card_metadata_survives_the_round_trip(hub: FakeHub, folder: Path) -> No
     assert d["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and d["library_name"] == "leank"
     assert d["model-index"][0]["results"][0]["metrics"][0]["value"] == 0.5
 
-
-# ---- helpers -----------------------------------------------------------------------------------------------
-def hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
-def pulled_dir(revision: str | None = None) -> Path:
-    from leank_infer.hub import resolve_mask_dir
-
-    return resolve_mask_dir(REPO, revision=revision)
