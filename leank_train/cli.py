@@ -1,0 +1,113 @@
+"""``leank fit ...``: one training stage as a plain LightningCLI.
+
+A recipe is one YAML for both stages: the top level is an ordinary LightningCLI config (``trainer``,
+``model``, ``data``, ``export``: what the stages share), and the sections ``stage1:`` / ``stage2:``
+hold each stage's overrides in the same shape. ``--stage N`` stands for ``--config <section stageN
+of the configs given before it>``, so precedence is the usual jsonargparse one: recipe, then
+stage section, then later flags::
+
+    leank fit --config recipes/smollm2-135m.yaml --stage 1 --trainer.max_steps 20
+    leank fit --config recipes/smollm2-135m.yaml --stage 2 --model.init_scores runs/.../stage1
+
+Without ``--stage`` the top level runs as is (the recipes make it stage 1). ``leank run`` chains both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from .data import NeedleDataModule
+from .export import ExportMask
+from .module import LeanKDistillation
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class LeanKCLI(LightningCLI):
+    """LightningCLI with the mask export callback, the stage sections, and model -> data links."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ExportMask, "export")
+        parser.add_argument("--stage1", type=dict | None, default=None, help="stage-1 overrides (see --stage)")
+        parser.add_argument("--stage2", type=dict | None, default=None, help="stage-2 overrides (see --stage)")
+        # the data needs the model's tokenizer: say the base model once
+        parser.link_arguments("model.base_model", "data.base_model")
+        parser.link_arguments("model.revision", "data.revision")
+        parser.link_arguments("model.loader", "data.loader")
+
+    def before_instantiate_classes(self) -> None:
+        # Store the recipe's text in the exported config.json unless one was named explicitly.
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("export") is not None and cfg.export.get("recipe") is None:
+            for path in cfg.get("config") or []:
+                if path is not None and Path(str(path)).is_file():
+                    cfg.export.recipe = str(path)
+                    break
+
+
+def expand_stage(argv: Sequence[str]) -> list[str]:
+    """Replace ``--stage N`` by ``--config <the stageN section of the earlier --config files>``."""
+    out: list[str] = []
+    configs: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, _, inline = arg.partition("=")
+        if name in ("--config", "-c", "--stage"):
+            value = inline if inline else (args[i + 1] if i + 1 < len(args) else None)
+            i += 1 if inline else 2
+            if value is None:
+                raise SystemExit(f"{name} needs a value")
+            if name == "--stage":
+                section: dict[str, Any] | None = None
+                for cfg in configs:
+                    data = yaml.safe_load(Path(cfg).read_text()) or {}
+                    section = data.get(f"stage{value}", section)
+                if section is None:
+                    raise SystemExit(f"--stage {value}: no 'stage{value}:' section in {configs or 'any --config'}")
+                out += ["--config", yaml.safe_dump(section, sort_keys=False)]
+            else:
+                if Path(value).is_file():
+                    configs.append(value)
+                out += ["--config", value]
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
+    """Build (and by default run) the CLI for ``argv``; returns the LightningCLI with its trainer and model."""
+    args = expand_stage(argv) if argv is not None else None
+    # argv is given explicitly (leank's own entry point); Lightning warns when sys.argv also has words.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    return LeanKCLI(
+        LeanKDistillation,
+        NeedleDataModule,
+        args=args,
+        auto_configure_optimizers=False,
+        save_config_kwargs={"overwrite": True},
+        **kwargs,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry of ``leank fit``: a LightningCLI command line; ``fit`` is implied when no subcommand leads."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in SUBCOMMANDS:
+        args = ["fit", *args]
+    run_cli(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

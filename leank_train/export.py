@@ -1,0 +1,120 @@
+"""Export the learned mask as a mask repo folder (what ``hub/<model>/`` holds and the Hub receives).
+
+The folder is written next to its target under a temporary name and renamed into place, so a
+reader never sees half a mask repo; an older folder at the target is replaced only once the new
+one is complete. The model card comes from ``leank_train.card.write_model_card`` when present.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
+from leank_infer.mask import ChannelMask
+
+
+def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: dict | None = None) -> Path:
+    """Write ``mask`` (+ model card if available) to ``folder`` atomically; returns the folder."""
+    target = Path(folder)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        mask.save_pretrained(tmp)
+        try:
+            from .card import write_model_card
+        except ImportError:
+            write_model_card = None
+        if write_model_card is not None:
+            try:
+                write_model_card(tmp, eval_results)
+            except Exception as e:  # the mask is the product; a card can be rewritten later
+                warnings.warn(f"model card not written: {e}", stacklevel=2)
+        # mkdtemp/mkstemp create private (0700/0600) entries: give the repo ordinary permissions
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+class ExportMask(L.Callback):
+    """At the end of fit, binarise the module's alpha and write the mask repo folder ``dirpath``.
+
+    ``recent_size``/``accumu_size`` are the *decode-time* sizes stored in the mask (training uses
+    the module's own ``recent_size``); ``recipe`` is the recipe file whose text goes in config.json.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        recent_size: int = 64,
+        accumu_size: int = 16,
+        recipe: str | None = None,
+    ) -> None:
+        """
+        Args:
+            dirpath: output mask folder; None disables the export.
+            recent_size: decode-time recent window kept with all channels.
+            accumu_size: decode-time tokens gathered before they are compressed into the middle.
+            recipe: path of the recipe YAML (its text is stored in config.json) or the YAML text itself.
+        """
+        super().__init__()
+        self.dirpath = dirpath
+        self.recent_size = recent_size
+        self.accumu_size = accumu_size
+        self.recipe = recipe
+        self.exported: Path | None = None
+
+    def recipe_text(self) -> str | None:
+        if self.recipe is None:
+            return None
+        path = Path(self.recipe)
+        try:
+            if "\n" not in self.recipe and path.is_file():
+                return path.read_text()
+        except OSError:
+            pass
+        return self.recipe
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.dirpath is None or not trainer.is_global_zero:
+            return
+        hp = pl_module.hparams
+        base, loader = hp.base_model, dict(hp.loader or {})
+        if base == "embedded":
+            base, loader = EMBEDDED_MODEL_ID, {**EMBEDDED_LOADER, **loader}
+        extra: dict[str, Any] = {
+            "training": {
+                "stage": int(hp.stage),
+                "steps": int(trainer.global_step),
+                "train_recent_size": int(hp.recent_size),
+                "final_distill_loss_last10": getattr(pl_module, "final_distill_loss", None),
+            }
+        }
+        mask = pl_module.mask(
+            recent_size=self.recent_size,
+            accumu_size=self.accumu_size,
+            base_model=base,
+            loader=loader,
+            recipe=self.recipe_text(),
+            extra=extra,
+        )
+        self.exported = write_mask_repo(mask, self.dirpath)

@@ -1,0 +1,98 @@
+"""Short Lightning fits: every family trains alpha only, logs metrics, exports a mask repo, runs stage 2."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+from conftest import tiny_model
+from lightning.pytorch.loggers import CSVLogger
+
+from leank_infer.mask import ChannelMask
+from leank_train.data import NeedleDataModule, load_tokenizer
+from leank_train.export import ExportMask
+from leank_train.module import LeanKDistillation
+
+
+@pytest.fixture(scope="module")
+def datamodule() -> NeedleDataModule:
+    dm = NeedleDataModule(min_length=120, max_length=240, length_intervals=3, num_samples=4, seed=0)
+    dm.tokenizer = load_tokenizer("embedded")
+    dm.setup()
+    return dm
+
+
+def _trainer(tmp_path, steps: int, callbacks=()) -> L.Trainer:
+    return L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+
+
+def _module(family: str, **kwargs) -> LeanKDistillation:
+    model = tiny_model(family, vocab_size=49152)  # the embedded tokenizer's vocabulary
+    kwargs = {"sink_size": 4, "recent_size": 8, "align": 4, "warmup_steps": 1, **kwargs}
+    return LeanKDistillation.for_model(model, **kwargs)
+
+
+def test_three_step_fit_trains_only_alpha(family, datamodule, tmp_path):
+    module = _module(family, lr=0.05)
+    frozen = {k: v.clone() for k, v in module.llm.state_dict().items()}
+    trainer = _trainer(tmp_path, 3, [ExportMask(dirpath=str(tmp_path / "mask"), recent_size=16, accumu_size=4)])
+    trainer.fit(module, datamodule=datamodule)
+
+    assert trainer.global_step == 3
+    assert [n for n, p in module.named_parameters() if p.requires_grad] == ["alpha"]
+    assert not module.llm.training
+    alpha = module.alpha.detach()
+    assert (alpha >= 0).all() and (alpha <= 1).all() and (alpha < 1).any()
+    for k, v in module.llm.state_dict().items():
+        assert torch.equal(v, frozen[k]), k
+
+    rows = list(csv.DictReader(open(trainer.logger.log_dir + "/metrics.csv")))
+    logged = {k for row in rows for k, v in row.items() if v != ""}
+    for key in ("train/distill_loss", "train/reg_loss", "train/alpha_mean", "train/alpha_below_0.1",
+                "train/k_kept_fraction", "train/zero_heads"):
+        assert key in logged, key
+    assert module.final_distill_loss is not None and module.final_distill_loss >= 0
+
+    mask = ChannelMask.from_dir(tmp_path / "mask")
+    assert mask.keep.shape == (2, 2, 16)
+    assert (mask.sink_size, mask.recent_size, mask.accumu_size) == (4, 16, 4)
+    torch.testing.assert_close(mask.scores, alpha)
+    assert mask.extra["training"]["train_recent_size"] == 8
+
+
+def test_stage2_starts_from_stage1_folder(datamodule, tmp_path):
+    stage1 = _module("llama", lr=0.2, reg_weight=0.5)
+    _trainer(tmp_path, 3, [ExportMask(dirpath=str(tmp_path / "s1"))]).fit(stage1, datamodule=datamodule)
+
+    stage2 = _module("llama", stage=2, init_scores=str(tmp_path / "s1"), lr=0.01, reg_weight=0.0, ratio=0.5)
+    torch.testing.assert_close(stage2.alpha.detach(), stage1.alpha.detach())
+    _trainer(tmp_path, 2, [ExportMask(dirpath=str(tmp_path / "final"))]).fit(stage2, datamodule=datamodule)
+    final = ChannelMask.from_dir(tmp_path / "final")
+    assert final.ratio == 0.5 and (final.kept_counts % 4 == 0).all()
+    assert torch.equal(final.keep, ChannelMask.from_scores(final.scores, 0.5, 4).keep)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp folder left behind
+
+
+def test_stage2_needs_scores():
+    with pytest.raises(ValueError, match="init_scores"):
+        LeanKDistillation(stage=2)
+
+
+def test_checkpoints_hold_alpha_not_the_base_model(datamodule, tmp_path):
+    module = _module("qwen2")
+    trainer = _trainer(tmp_path, 1)
+    trainer.fit(module, datamodule=datamodule)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)  # our own file, tensors and plain data only
+    assert list(ckpt["state_dict"]) == ["alpha"]

@@ -1,0 +1,33 @@
+"""`leank run` end to end on the embedded SmolLM2 (2 steps per stage, short prompts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from leank_infer.mask import ChannelMask
+
+RECIPE = Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml"
+
+
+@pytest.mark.slow
+def test_leank_run_two_steps_per_stage(tmp_path, capsys):
+    from leank_infer.cli import main
+
+    overrides = [
+        "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+        "--data.num_samples", "2", "--data.min_length", "300", "--data.max_length", "400",
+        "--stage1.export.dirpath", str(tmp_path / "stage1"), "--stage2.export.dirpath", str(tmp_path / "final"),
+    ]
+    assert main(["run", str(RECIPE), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "k_kept_fraction" in out and "wall time" in out
+    mask = ChannelMask.from_dir(tmp_path / "final")
+    assert mask.keep.shape == (30, 3, 64)
+    assert (mask.sink_size, mask.recent_size, mask.accumu_size, mask.align) == (16, 64, 16, 16)
+    assert mask.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and mask.loader.get("embedded")
+    assert mask.recipe == RECIPE.read_text()
+    assert mask.extra["training"]["stage"] == 2 and mask.extra["training"]["steps"] == 2
+    assert abs(mask.stats()["k_kept_fraction"] - 0.3) < 0.1
