@@ -14,7 +14,6 @@ import fnmatch
 import os
 import re
 import tempfile
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,16 +150,10 @@ def mask_repo_files(folder: str | os.PathLike) -> dict[str, Path]:
 
 
 def _write_card(folder: Path, repo_id: str) -> None:
-    """README.md and pattern.png for ``folder`` from ``leank_train.card`` when the training extra is installed."""
-    try:
-        from leank_train.card import write_model_card
+    """README.md (and pattern.png, where matplotlib is installed) for ``folder``, pointing at ``repo_id``."""
+    from .card import write_model_card
 
-        write_model_card(folder, repo=repo_id)
-    except ImportError as e:
-        warnings.warn(
-            f"pushing the mask without a model card and plot ({e.name or e} is missing; pip install 'leank[train]')",
-            stacklevel=3,
-        )
+    write_model_card(folder, repo=repo_id)
 
 
 def push_mask(
@@ -178,9 +171,9 @@ def push_mask(
     """Create ``repo_id`` if needed and upload the mask repo in one commit; returns the ``CommitInfo``.
 
     ``folder`` (a mask repo folder: mask, config, and the card and plot from
-    ``leank_train.card.write_model_card``) is checked to load and then uploaded as is; without it,
+    ``leank_infer.card.write_model_card``) is checked to load and then uploaded as is; without it,
     ``mask`` is saved to a temporary folder with a fresh card and plot (when the training extra is
-    installed; mask and config only otherwise). ``revision`` is a branch,
+    installed for the plot). ``revision`` is a branch,
     created from ``main`` when missing. The result is a ``str`` (the commit URL) with ``.oid``.
     Hub errors (auth, permissions) are huggingface_hub's own exceptions.
     """

@@ -33,7 +33,7 @@ def push_main(argv: Sequence[str]) -> int:
             if not (Path(args.folder) / name).is_file():
                 print(
                     f"leank push: note: {args.folder} has no {name} "
-                    "(write the card and plot with leank_train.card.write_model_card)",
+                    "(write the card and plot with leank_infer.card.write_model_card)",
                     file=sys.stderr,
                 )
         info = push_mask(

@@ -19,7 +19,7 @@ def _mask_dir(tmp_path, base="HuggingFaceTB/SmolLM2-135M-Instruct"):
 def test_card_metadata_and_body(tmp_path):
     from huggingface_hub import ModelCard
 
-    from leank_train.card import write_model_card
+    from leank_infer.card import write_model_card
 
     mask = _mask_dir(tmp_path)
     results = [{"dataset": "needle-2k", "value": 0.75, "command": "leank eval hub/x"}]
@@ -42,7 +42,7 @@ def test_card_metadata_and_body(tmp_path):
 def test_card_without_results_or_known_license(tmp_path):
     from huggingface_hub import ModelCard
 
-    from leank_train.card import write_model_card
+    from leank_infer.card import write_model_card
 
     _mask_dir(tmp_path, base="someone/unknown-model")
     write_model_card(tmp_path, repo="someone/leank-mask")
@@ -54,7 +54,7 @@ def test_card_without_results_or_known_license(tmp_path):
 def test_card_refuses_a_folder_without_mask(tmp_path):
     import pytest
 
-    from leank_train.card import write_model_card
+    from leank_infer.card import write_model_card
 
     with pytest.raises(MaskError, match="missing"):
         write_model_card(tmp_path)

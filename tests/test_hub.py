@@ -40,7 +40,7 @@ def assert_same(a: ChannelMask, b: ChannelMask) -> None:
 @pytest.fixture(scope="module")
 def card_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A full mask repo folder (mask, config, card, plot), written once per module."""
-    from leank_train.card import write_model_card
+    from leank_infer.card import write_model_card
 
     folder = tmp_path_factory.mktemp("mask-repo")
     make_mask(0).save_pretrained(folder)
@@ -215,13 +215,14 @@ def test_cli_push_hub_errors_are_one_line(hub: FakeHub, folder: Path) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_push_without_the_training_extra(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_push_without_matplotlib_writes_the_card_alone(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "leank_train.card", None)  # as if leank[train] were not installed
-    with pytest.warns(UserWarning, match="without a model card"):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if leank[train] were not installed
+    with pytest.warns(UserWarning, match="pattern.png not written"):
         info = make_mask(1).push_to_hub(REPO)
-    assert set(hub.repos[REPO].commits[info.oid].files) == {".gitattributes", "mask.safetensors", "config.json"}
+    files = hub.repos[REPO].commits[info.oid].files
+    assert set(files) == {".gitattributes", "mask.safetensors", "config.json", "README.md"}
     assert_same(ChannelMask.from_pretrained(REPO), make_mask(1))
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
-from leank_infer.mask import ChannelMask
+from .mask import ChannelMask
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {
@@ -170,10 +171,16 @@ def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] 
 def write_model_card(
     folder: str | Path, eval_results: list[dict[str, Any]] | None = None, repo: str | None = None
 ) -> None:
-    """Write README.md and pattern.png into a mask repo folder, from its mask files alone."""
+    """Write README.md and pattern.png into a mask repo folder, from its mask files alone.
+
+    The plot needs matplotlib (the ``train`` extra); without it the card is written alone.
+    """
     folder = Path(folder)
     mask = ChannelMask.from_dir(folder)
     # default: the project's hub/ folder for this base model (export may write from a temporary folder)
     repo = repo or f"hub/{(mask.base_model or folder.name).split('/')[-1].lower()}"
-    plot_pattern(mask, folder / "pattern.png")
+    try:
+        plot_pattern(mask, folder / "pattern.png")
+    except ImportError as e:
+        warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
     build_card(mask, repo, eval_results).save(folder / "README.md")
