@@ -10,32 +10,24 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
+from leank_infer.card import write_model_card
 from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
 from leank_infer.mask import ChannelMask
 
 
 def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: dict | None = None) -> Path:
-    """Write ``mask`` (+ model card if available) to ``folder`` atomically; returns the folder."""
+    """Write ``mask``, its model card and pattern plot to ``folder`` atomically; returns the folder."""
     target = Path(folder)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         mask.save_pretrained(tmp)
-        try:
-            from .card import write_model_card
-        except ImportError:
-            write_model_card = None
-        if write_model_card is not None:
-            try:
-                write_model_card(tmp, eval_results)
-            except Exception as e:  # the mask is the product; a card can be rewritten later
-                warnings.warn(f"model card not written: {e}", stacklevel=2)
+        write_model_card(tmp, eval_results)
         # mkdtemp/mkstemp create private (0700/0600) entries: give the repo ordinary permissions
         umask = os.umask(0)
         os.umask(umask)
