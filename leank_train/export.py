@@ -2,7 +2,7 @@
 
 The folder is written next to its target under a temporary name and renamed into place, so a
 reader never sees half a mask repo; an older folder at the target is replaced only once the new
-one is complete. The model card comes from ``leank_train.card.write_model_card`` when present.
+one is complete, model card and pattern plot (``leank_infer.card``) included.
 """
 
 from __future__ import annotations
