@@ -1,0 +1,476 @@
+"""Triton flash-decoding over the LeanK compressed cache, and the backend dispatcher.
+
+One decode step (one new query token per row) costs three kinds of launches:
+
+1. ``_full_part_kernel``, grid ``(B * Hkv, S_full)``: the full-channel parts (head, then tail) of
+   each KV head, split over the sequence; per split it writes an unnormalised partial result
+   (acc ``[G, D]``, running max m ``[G]``, sum of exps l ``[G]``, base-2 logits).
+2. ``_mid_part_kernel``, one launch per middle group (heads of equal kept count c), grid
+   ``(B * Hg, S_mid)``: the same over the compressed middle keys, dotting only the kept channels
+   of q with the ``c``-channel keys. Zero-channel heads are in no group: they never touch the
+   middle.
+3. ``_merge_kernel``, grid ``(B * Hkv,)``: log-sum-exp merge of every partial of a KV head and the
+   final division; writes ``[B, 1, Hq, D]``.
+
+GQA: the G query heads of a KV head live in one program as the rows of a ``[G, D] x [D, BLOCK_N]``
+dot, so each K/V tile is loaded once for all of them. Scores accumulate in fp32 (fp16/bf16/fp32
+inputs). Partial slots per KV head: ``[0, S_full)`` full parts, then ``[S_full, S_full + S_mid)``
+middle, the latter read by the merge only for heads that keep channels (so nothing needs clearing).
+
+Masks are the reference's (``head_full``/``head_mid``/``mid_mask``/``tail_mask`` of
+:func:`~leank_infer.attention.leank_decode_attention`), read per key in the kernel through their
+strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row pattern works
+(left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
+the load. Not supported, and sent to the PyTorch path: ``q_len > 1`` (prefill-like chunks, or
+speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim.
+"""
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # leank_infer must import without triton: the kernels below are then never launched
+
+    class _NoTriton:
+        constexpr = None
+
+        @staticmethod
+        def jit(fn: Any = None, **_: Any) -> Any:
+            return fn
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+    HAS_TRITON = False
+
+BACKENDS = ("torch", "triton", "auto")
+BLOCK_N = 64  # keys per tile; every split covers a multiple of it
+MIN_BLOCKS_PER_SPLIT = 4  # a split amortises its q load and partial write over at least 256 keys
+WAVES = 4  # target programs per SM when choosing split counts (latency hiding at small batch)
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _online_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
+    """One flash-attention step, base 2: fold scores ``s`` [BG, BN] (fp32, -inf = masked) and ``v`` [BN, BD]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exps at 0, not NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _store_partial(ACC, M, L, acc, m_i, l_i, row, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr):
+    """Write one partial (``row`` = index of (b, kv head, slot) in the ``[B, Hkv, S]`` workspace)."""
+    g_ok = offs_g < G
+    tl.store(M + row * G + offs_g, m_i, mask=g_ok)
+    tl.store(L + row * G + offs_g, l_i, mask=g_ok)
+    ptrs = ACC + (row * G + offs_g[:, None]) * D + offs_d[None, :]
+    tl.store(ptrs, acc, mask=g_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _full_part_kernel(
+    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L,
+    sq_b, sq_h, sq_d,
+    shk_b, shk_h, shk_n, shk_d,
+    shv_b, shv_h, shv_n, shv_d,
+    stk_b, stk_h, stk_n, stk_d,
+    stv_b, stv_h, stv_n, stv_d,
+    skeep_h, skeep_d,
+    shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+    head_len, head_pad, tail_len, split_len, n_kv_heads, n_slots, qk_scale,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Partial attention of one (row, KV head, split) over the virtual sequence [head | pad | tail].
+
+    The head is padded to ``head_pad`` (a multiple of BLOCK_N) so tail tiles stay aligned. Head keys
+    are scored with all channels (``head_full``) or only the kept ones (``head_mid``: that row's
+    middle keys stored in the head, e.g. under left padding); zero-channel heads skip the latter.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // n_kv_heads).to(tl.int64)  # int64: b * stride passes 2**31 elements in big caches
+    kvh = (pid % n_kv_heads).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < D
+
+    q_ptrs = Q + b * sq_b + (kvh * G + offs_g)[:, None] * sq_h + offs_d[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=(offs_g[:, None] < G) & d_ok[None, :], other=0.0)
+    keep = tl.load(KEEP + kvh * skeep_h + offs_d * skeep_d, mask=d_ok, other=0) != 0
+    q_kept = tl.where(keep[None, :], q, 0.0).to(q.dtype)
+    nonzero = tl.max(keep.to(tl.int32), 0) > 0
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, head_pad + tail_len)
+
+    for start in range(lo, tl.minimum(hi, head_pad), BLOCK_N):
+        j = start + offs_n
+        ok = j < head_len
+        k = tl.load(
+            HK + b * shk_b + kvh * shk_h + j[None, :] * shk_n + offs_d[:, None] * shk_d,
+            mask=d_ok[:, None] & ok[None, :],
+            other=0.0,
+        )
+        full = tl.load(HFULL + b * shf_b + j * shf_n, mask=ok, other=0) != 0
+        mid = tl.load(HMID + b * shm_b + j * shm_n, mask=ok, other=0) != 0
+        s_full = tl.dot(q, k, input_precision=PREC)
+        s_mid = tl.dot(q_kept, k, input_precision=PREC)
+        s = tl.where(mid[None, :], s_mid, s_full) * qk_scale
+        s = tl.where((full | (mid & nonzero))[None, :], s, float("-inf"))
+        v = tl.load(
+            HV + b * shv_b + kvh * shv_h + j[:, None] * shv_n + offs_d[None, :] * shv_d,
+            mask=ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
+
+    for start in range(tl.maximum(lo, head_pad) - head_pad, hi - head_pad, BLOCK_N):
+        j = start + offs_n
+        ok = j < tail_len
+        k = tl.load(
+            TK + b * stk_b + kvh * stk_h + j[None, :] * stk_n + offs_d[:, None] * stk_d,
+            mask=d_ok[:, None] & ok[None, :],
+            other=0.0,
+        )
+        if HAS_TAIL_MASK:
+            ok = ok & (tl.load(TMASK + b * stm_b + j * stm_n, mask=ok, other=0) != 0)
+        s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
+        v = tl.load(
+            TV + b * stv_b + kvh * stv_h + j[:, None] * stv_n + offs_d[None, :] * stv_d,
+            mask=(j < tail_len)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
+
+    _store_partial(ACC, M, L, acc, m_i, l_i, (b * n_kv_heads + kvh) * n_slots + split, offs_g, offs_d, G, D)
+
+
+@triton.jit
+def _mid_part_kernel(
+    Q, K, V, HEADS, CHANNELS, MMASK, ACC, M, L,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_n, sk_c,
+    sv_b, sv_h, sv_n, sv_d,
+    sch_h, sch_c, smm_b, smm_n,
+    mid_len, split_len, n_group_heads, v_offset, n_kv_heads, n_slots, slot_offset, qk_scale,
+    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Partial attention of one (row, head i of a middle group, split) over the compressed middle.
+
+    Group head i is KV head ``HEADS[i]``; its keys hold only channels ``CHANNELS[i, :C]`` (so q is
+    gathered on those channels once, outside the loop) and its V rows are ``v_offset + i``.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // n_group_heads).to(tl.int64)
+    i = (pid % n_group_heads).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    c_ok = offs_c < C
+    d_ok = offs_d < D
+
+    kvh = tl.load(HEADS + i)
+    ch = tl.load(CHANNELS + i * sch_h + offs_c * sch_c, mask=c_ok, other=0)
+    q_ptrs = Q + b * sq_b + (kvh * G + offs_g)[:, None] * sq_h + ch[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=(offs_g[:, None] < G) & c_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, mid_len)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        in_range = j < mid_len
+        k = tl.load(
+            K + b * sk_b + i * sk_h + j[None, :] * sk_n + offs_c[:, None] * sk_c,
+            mask=c_ok[:, None] & in_range[None, :],
+            other=0.0,
+        )
+        ok = in_range
+        if HAS_MASK:
+            ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
+        s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
+        v = tl.load(
+            V + b * sv_b + (v_offset + i) * sv_h + j[:, None] * sv_n + offs_d[None, :] * sv_d,
+            mask=in_range[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
+
+    row = (b * n_kv_heads + kvh) * n_slots + slot_offset + split
+    _store_partial(ACC, M, L, acc, m_i, l_i, row, offs_g, offs_d, G, D)
+
+
+@triton.jit
+def _merge_kernel(
+    ACC, M, L, KEEP, OUT,
+    skeep_h, skeep_d, so_b, so_h, so_d,
+    n_kv_heads, n_slots, n_full_slots, n_mid_slots,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Log-sum-exp merge of one (row, KV head)'s partials; middle slots only for heads keeping channels."""
+    pid = tl.program_id(0)
+    b = (pid // n_kv_heads).to(tl.int64)
+    kvh = (pid % n_kv_heads).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    keep = tl.load(KEEP + kvh * skeep_h + offs_d * skeep_d, mask=d_ok, other=0)
+    used = n_full_slots + tl.where(tl.max(keep.to(tl.int32), 0) > 0, n_mid_slots, 0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    base = (b * n_kv_heads + kvh) * n_slots
+    for slot in range(0, used):
+        row = base + slot
+        m_s = tl.load(M + row * G + offs_g, mask=g_ok, other=float("-inf"))
+        l_s = tl.load(L + row * G + offs_g, mask=g_ok, other=0.0)
+        a_s = tl.load(
+            ACC + (row * G + offs_g[:, None]) * D + offs_d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp2(m_i - m_safe)
+        w_new = tl.exp2(m_s - m_safe)
+        acc = acc * w_old[:, None] + a_s * w_new[:, None]
+        l_i = l_i * w_old + l_s * w_new
+        m_i = m_new
+
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    o_ptrs = OUT + b * so_b + (kvh * G + offs_g)[:, None] * so_h + offs_d[None, :] * so_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fp32 scratch for partials (every element read is written first; tests poison it through here)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return HAS_TRITON and type(_merge_kernel).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few splits, so the split logic is exercised
+
+
+def num_splits(n_keys: int, programs: int, device: torch.device, block_n: int = BLOCK_N) -> int:
+    """Splits of a part of ``n_keys`` keys over ``programs`` (row, head) programs (flash-decoding heuristic).
+
+    Enough splits to give every SM ``WAVES`` programs when the batch is small, but no split shorter
+    than ``MIN_BLOCKS_PER_SPLIT`` tiles (merge cost and per-split prologue); 0 for an empty part.
+    """
+    blocks = -(-n_keys // block_n)
+    if blocks == 0:
+        return 0
+    want = -(-WAVES * _sm_count(device) // max(1, programs))
+    return max(1, min(want, -(-blocks // MIN_BLOCKS_PER_SPLIT)))
+
+
+def _split_len(n_keys: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, a multiple of block_n; splits actually needed so that none is empty)."""
+    blocks = -(-n_keys // block_n)
+    if blocks == 0 or splits <= 0:
+        return block_n, 0
+    per = -(-blocks // min(splits, blocks))
+    return per * block_n, -(-blocks // per)
+
+
+def _row_mask(mask: torch.Tensor | None, b: int, n: int) -> torch.Tensor | None:
+    """``[B or 1, 1, n]`` bool -> ``[B, n]`` uint8 view (no copy; stride 0 where broadcast)."""
+    if mask is None:
+        return None
+    return mask.expand(b, 1, n)[:, 0].view(torch.uint8)
+
+
+def _unsupported(
+    query: torch.Tensor, head_v: torch.Tensor, masks: Sequence[torch.Tensor | None]
+) -> str | None:
+    """Why the kernel cannot run these inputs (the caller then uses the PyTorch path), or None."""
+    if query.shape[2] != 1:
+        return "q_len > 1"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    if head_v.shape[-1] != query.shape[-1]:
+        return "V head_dim != K head_dim"
+    for m in masks:
+        if m is not None and (m.ndim != 3 or m.shape[1] != 1 or m.dtype != torch.bool):
+            return "a mask that is not [B, 1, n] bool"
+    return None
+
+
+def triton_decode_attention(
+    query: torch.Tensor,
+    head_k: torch.Tensor,
+    head_v: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    mid_k: Sequence[torch.Tensor],
+    mid_v: torch.Tensor | None,
+    groups: Any,
+    head_full: torch.Tensor,
+    head_mid: torch.Tensor,
+    mid_mask: torch.Tensor | None,
+    tail_mask: torch.Tensor | None,
+    scaling: float,
+    *,
+    splits: int | None = None,
+    block_n: int = BLOCK_N,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for :func:`~leank_infer.attention.leank_decode_attention` (same arguments, ``[B, Q, Hq, D]``).
+
+    Runs the Triton kernels for one query token per row; inputs the kernels do not cover
+    (``q_len > 1``, other dtypes or mask shapes: see the module docstring) go to the PyTorch path.
+    ``splits`` forces the split count of every part (tests; default: :func:`num_splits`);
+    ``out`` is an optional ``[B, 1, Hq, D]`` buffer of the query's dtype to write into.
+    """
+    from .attention import leank_decode_attention
+
+    args = (query, head_k, head_v, tail_k, tail_v, mid_k, mid_v, groups)
+    masks = (head_full, head_mid, mid_mask, tail_mask)
+    if _unsupported(query, head_v, masks) is not None:
+        return leank_decode_attention(*args, *masks, scaling)
+    if not HAS_TRITON:
+        raise RuntimeError("triton_decode_attention needs triton (pip install triton); use backend='torch'")
+    if query.device.type != "cuda" and not kernels_interpreted():
+        raise RuntimeError(
+            f"the Triton kernel needs CUDA tensors (got {query.device}); set TRITON_INTERPRET=1 before "
+            "importing leank_infer.triton_decode to run it on the CPU interpreter, or use backend='torch'"
+        )
+
+    b, hq, _, d = query.shape
+    hkv = groups.num_kv_heads
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    g = hq // hkv
+    h, t = head_k.shape[2], tail_k.shape[2]
+    n = mid_k[0].shape[2] if len(mid_k) else 0
+    device = query.device
+    head_pad = -(-h // block_n) * block_n
+    full_split, s_full = _split_len(
+        head_pad + t, splits or num_splits(head_pad + t, b * hkv, device, block_n), block_n
+    )
+    min_hg = min((len(x) for x in groups.heads), default=0)
+    mid_split, s_mid = _split_len(n, splits or num_splits(n, b * max(1, min_hg), device, block_n), block_n)
+    if min_hg == 0:
+        s_mid = 0
+    n_slots = max(1, s_full + s_mid)
+
+    acc = _workspace((b, hkv, n_slots, g, d), device)
+    m_ws = _workspace((b, hkv, n_slots, g), device)
+    l_ws = _workspace((b, hkv, n_slots, g), device)
+    if out is None:
+        out = torch.empty(b, 1, hq, d, dtype=query.dtype, device=device)
+    q = query[:, :, 0]  # [B, Hq, D]
+    keep = groups.keep.view(torch.uint8)
+    block_g = max(16, triton.next_power_of_2(g))
+    block_d = max(16, triton.next_power_of_2(d))
+    prec = "ieee" if query.dtype == torch.float32 else None  # fp32: exact products, not TF32
+    qk_scale = float(scaling) * _LOG2E
+    common = dict(G=g, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, PREC=prec)
+
+    if s_full:
+        hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
+        tm = _row_mask(tail_mask, b, t)
+        _full_part_kernel[(b * hkv, s_full)](
+            q, head_k, head_v, tail_k, tail_v, keep, hf, hm, tm if tm is not None else hf,
+            acc, m_ws, l_ws,
+            *q.stride(), *head_k.stride(), *head_v.stride(), *tail_k.stride(), *tail_v.stride(),
+            *keep.stride(), *hf.stride(), *hm.stride(), *(tm.stride() if tm is not None else (0, 0)),
+            h, head_pad, t, full_split, hkv, n_slots, qk_scale,
+            D=d, HAS_TAIL_MASK=tm is not None, **common,
+        )  # fmt: skip
+    if s_mid:
+        mm = _row_mask(mid_mask, b, n)
+        for heads, channels, v_off, k in zip(
+            groups.heads, groups.channels, groups.v_offsets, mid_k, strict=True
+        ):
+            hg, c = channels.shape
+            _mid_part_kernel[(b * hg, s_mid)](
+                q, k, mid_v, heads, channels, mm if mm is not None else keep, acc, m_ws, l_ws,
+                *q.stride(), *k.stride(), *mid_v.stride(), *channels.stride(),
+                *(mm.stride() if mm is not None else (0, 0)),
+                n, mid_split, hg, v_off, hkv, n_slots, s_full, qk_scale,
+                C=c, D=d, BLOCK_C=max(16, triton.next_power_of_2(c)), HAS_MASK=mm is not None, **common,
+            )  # fmt: skip
+    _merge_kernel[(b * hkv,)](
+        acc, m_ws, l_ws, keep, out,
+        *keep.stride(), out.stride(0), out.stride(2), out.stride(3),
+        hkv, n_slots, s_full, s_mid,
+        G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
+
+
+def _default_backend() -> str:
+    backend = os.environ.get("LEANK_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"LEANK_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def decode_attention(*args: Any, backend: str | None = None, **kwargs: Any) -> torch.Tensor:
+    """LeanK decode attention (arguments of ``leank_decode_attention``) on the chosen backend.
+
+    ``backend``: "torch" (PyTorch reference), "triton" (the kernel; an error if triton is missing
+    or the tensors are not on CUDA, unless the kernels run in the interpreter), "auto" or None
+    (``LEANK_BACKEND``, default auto: the kernel for CUDA tensors when triton imports, else torch).
+    """
+    from .attention import leank_decode_attention
+
+    backend = (backend or _default_backend()).lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    query = args[0] if args else kwargs["query"]
+    if backend == "auto":
+        backend = "triton" if HAS_TRITON and query.is_cuda else "torch"
+    if backend == "torch":
+        return leank_decode_attention(*args, **kwargs)
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
+    if not query.is_cuda and not kernels_interpreted():
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors, got {query.device} (or TRITON_INTERPRET=1 set before "
+            "importing leank_infer.triton_decode, for the CPU interpreter)"
+        )
+    return triton_decode_attention(*args, **kwargs)
+
+
+__all__ = ["HAS_TRITON", "decode_attention", "kernels_interpreted", "num_splits", "triton_decode_attention"]

@@ -1,0 +1,322 @@
+"""The Triton decode kernel against the PyTorch reference, on triton's CPU interpreter.
+
+fp16 and fp32 only: under TRITON_INTERPRET=1, tl.dot of bf16 operands is wrong (DESIGN.md,
+"Known pitfalls"); bf16 is checked on a GPU by benchmarks/kernel.py. Shapes are tiny: the
+interpreter runs every program in numpy.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, so the kernels are interpreted
+
+import importlib  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from leank_infer import triton_decode as td  # noqa: E402
+from leank_infer.attention import ChannelGroups, decode_masks, leank_decode_attention  # noqa: E402
+
+if not td.kernels_interpreted():  # imported earlier (by another test) without the interpreter
+    td = importlib.reload(td)
+
+
+def _keep(counts: list[int], d: int, gen: torch.Generator) -> torch.Tensor:
+    keep = torch.zeros(len(counts), d, dtype=torch.bool)
+    for h, c in enumerate(counts):
+        keep[h, torch.randperm(d, generator=gen)[:c]] = True
+    return keep
+
+
+def make_case(
+    counts: list[int],
+    g: int = 2,
+    d: int = 64,
+    head: int = 5,
+    mid: int = 7,
+    tail: int = 9,
+    starts: tuple[int, ...] = (0,),
+    sink: int = 2,
+    dtype: torch.dtype = torch.float16,
+    masked: bool = False,
+    seed: int = 0,
+) -> tuple:
+    """Random decode inputs in the reference's layout; head keys j of a row with start s: padding
+    below s, sink up to s + sink, middle (kept channels) after; optional random mid/tail masks."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv = len(starts), len(counts)
+    groups = ChannelGroups.from_keep(_keep(counts, d, gen))
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    query = rnd(b, hkv * g, 1, d)
+    mid_k = [rnd(b, len(h), mid, c) for h, c in zip(groups.heads, groups.counts, strict=True)]
+    mid_v = rnd(b, len(groups.nonzero_order), mid, d)
+    j = torch.arange(head)
+    s = torch.tensor(starts).view(-1, 1)
+    head_full = ((j >= s) & (j < s + sink)).unsqueeze(1)
+    head_mid = (j >= s + sink).unsqueeze(1)
+    mid_mask = tail_mask = None
+    if masked:
+        mid_mask = torch.rand(b, 1, mid, generator=gen) > 0.3
+        tail_mask = torch.rand(b, 1, tail, generator=gen) > 0.3
+    return (
+        query,
+        rnd(b, hkv, head, d),
+        rnd(b, hkv, head, d),
+        rnd(b, hkv, tail, d),
+        rnd(b, hkv, tail, d),
+        mid_k,
+        mid_v,
+        groups,
+        head_full,
+        head_mid,
+        mid_mask,
+        tail_mask,
+        d**-0.5,
+    )
+
+
+def _fp32(args: tuple) -> tuple:
+    up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    return tuple([up(t) for t in a] if isinstance(a, list) else up(a) for a in args)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_workspace(monkeypatch):
+    """Partials start as NaN: a slot the merge reads but no program wrote shows up in the output."""
+    monkeypatch.setattr(
+        td,
+        "_workspace",
+        lambda shape, device: torch.full(shape, math.nan, dtype=torch.float32, device=device),
+    )
+
+
+def run_and_check(args: tuple, rel: float | None = None, **kw) -> torch.Tensor:
+    """Kernel (into a NaN-filled output) vs the reference evaluated in fp32 on the same values.
+
+    fp32 reference, because the fp16 reference rounds scores to fp16 before the softmax, which is
+    itself ~4e-4 off; the kernel keeps fp32 scores.
+    """
+    q = args[0]
+    b, hq, _, d = q.shape
+    out = torch.full((b, 1, hq, d), math.nan, dtype=q.dtype)
+    got = td.triton_decode_attention(*args, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (b, 1, hq, d)
+    ref = leank_decode_attention(*_fp32(args))
+    assert torch.isfinite(got).all()
+    rel = rel if rel is not None else (1e-3 if q.dtype == torch.float16 else 1e-5)
+    err = (got.float() - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < rel, f"relative error {err:.2e}"
+    assert (got.float() - ref).abs().max() < 10 * rel * ref.abs().max().clamp_min(1e-6)
+    return got
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[0, 0, 0], [64, 64, 64], [16, 32, 48], [0, 48, 16], [32, 0, 32]],
+    ids=["all-zero", "all-full", "16-32-48", "mixed-with-zero", "shared-group"],
+)
+@pytest.mark.parametrize("mid", [0, 1, 7, 33])
+def test_kept_count_mixes_and_lengths(counts, mid):
+    run_and_check(make_case(counts, mid=mid, seed=mid))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 16])
+def test_split_counts(splits):
+    # block_n 16: a 5-key head (padded to 16), 9 tail keys and 41 middle keys span several tiles
+    run_and_check(make_case([16, 0, 32, 48], head=5, mid=41, tail=9), splits=splits, block_n=16)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_gqa(g):
+    run_and_check(make_case([0, 16, 32], g=g, mid=20), block_n=16)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_batch_rows_with_different_starts(masked):
+    # row 1 is left-padded by 3: head keys 0..2 are padding, 3..4 sink, 5..7 its middle keys
+    args = make_case([16, 0, 48], head=8, mid=19, starts=(0, 3), masked=masked, seed=3)
+    run_and_check(args, splits=2, block_n=16)
+
+
+def test_fp32_is_tight():
+    run_and_check(make_case([16, 0, 64, 48], dtype=torch.float32, mid=21, masked=True), splits=2, block_n=16)
+
+
+def test_empty_head_and_tail():
+    run_and_check(make_case([16, 32], head=0, tail=0, mid=12))
+    run_and_check(make_case([16, 32], head=0, tail=3, mid=0))
+
+
+def test_fully_masked_row_gives_zeros():
+    args = list(make_case([16, 0], starts=(0, 1), mid=9, tail=4, masked=True))
+    for i in (8, 9, 10, 11):  # row 1 attends to nothing
+        args[i] = args[i].clone()
+        args[i][1] = False
+    got = run_and_check(tuple(args), block_n=16)
+    assert (got[1] == 0).all()
+
+
+def test_broadcast_masks_and_strided_query():
+    args = list(make_case([32, 16], starts=(0, 0), mid=10, tail=6, seed=5))
+    gen = torch.Generator().manual_seed(1)
+    args[10] = torch.rand(1, 1, 10, generator=gen) > 0.2  # batch-broadcast masks, as the model's mask gives
+    args[11] = torch.rand(1, 1, 6, generator=gen) > 0.2
+    q = args[0]
+    args[0] = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's [B, Q, Hq, D] -> [B, Hq, Q, D] view
+    run_and_check(tuple(args))
+
+
+def test_real_cache_layer_layout():
+    """The tensors of a LeanKLayer after a left-padded prefill, with decode_masks, as the model passes them."""
+    from leank_infer.cache import LeanKLayer
+
+    gen = torch.Generator().manual_seed(7)
+    b, hkv, g, d, total = 2, 3, 2, 32, 60
+    layer = LeanKLayer(_keep([0, 16, 32], d, gen), sink_size=4, recent_size=8, accumu_size=4)
+    k = torch.randn(b, hkv, total, d, generator=gen).half()
+    v = torch.randn(b, hkv, total, d, generator=gen).half()
+    layer.update(k, v)
+    layer.finish_prefill(torch.tensor([0, 5]))
+    layer.update(
+        torch.randn(b, hkv, 1, d, generator=gen).half(), torch.randn(b, hkv, 1, d, generator=gen).half()
+    )
+    masks = decode_masks(
+        None, layer.starts, layer.sink_size, layer.recent_start, layer.head_len, layer.mid_len,
+        layer.get_seq_length(), 1,
+    )  # fmt: skip
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).half()
+    args = (q, layer.head_k, layer.head_v, layer.tail_k, layer.tail_v, layer.mid_k, layer.mid_v, layer.groups)
+    run_and_check((*args, *masks.values(), d**-0.5), block_n=16)
+
+
+def test_q_len_above_one_falls_back_to_torch():
+    args = list(make_case([16, 32], mid=5))
+    args[0] = torch.randn(1, 4, 3, 64).half()
+    q3 = lambda m: m.expand(1, 3, m.shape[-1])  # noqa: E731
+    args[8], args[9] = q3(args[8]), q3(args[9])
+    got = td.triton_decode_attention(*args)
+    torch.testing.assert_close(got, leank_decode_attention(*args))
+
+
+# ---- dispatcher --------------------------------------------------------------------------------
+def test_auto_picks_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("LEANK_BACKEND", raising=False)
+    calls = []
+    monkeypatch.setattr(td, "triton_decode_attention", lambda *a, **k: calls.append(1))
+    args = make_case([16], mid=3)
+    torch.testing.assert_close(td.decode_attention(*args), leank_decode_attention(*args))
+    assert not calls
+
+
+def test_backend_triton_runs_kernel_in_interpreter():
+    args = make_case([16, 0], mid=3)
+    torch.testing.assert_close(
+        td.decode_attention(*args, backend="triton"),
+        leank_decode_attention(*_fp32(args)).half(),
+        atol=2e-3,
+        rtol=0,
+    )
+
+
+def test_leank_backend_env_is_honoured(monkeypatch):
+    calls = []
+    monkeypatch.setattr(td, "triton_decode_attention", lambda *a, **k: calls.append("triton"))
+    args = make_case([16], mid=3)
+    monkeypatch.setenv("LEANK_BACKEND", "triton")
+    td.decode_attention(*args)
+    assert calls == ["triton"]
+    monkeypatch.setenv("LEANK_BACKEND", "torch")
+    td.decode_attention(*args)
+    assert calls == ["triton"]
+    td.decode_attention(*args, backend="triton")  # the argument beats the variable
+    assert calls == ["triton", "triton"]
+    monkeypatch.setenv("LEANK_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="LEANK_BACKEND"):
+        td.decode_attention(*args)
+    with pytest.raises(ValueError, match="backend"):
+        td.decode_attention(*args, backend="tpu")
+
+
+def test_triton_backend_without_cuda_or_interpreter_raises(monkeypatch):
+    monkeypatch.setattr(td, "kernels_interpreted", lambda: False)
+    args = make_case([16], mid=3)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        td.decode_attention(*args, backend="triton")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        td.triton_decode_attention(*args)
+    monkeypatch.setattr(td, "HAS_TRITON", False)
+    with pytest.raises(RuntimeError, match="needs triton"):
+        td.decode_attention(*args, backend="triton")
+    torch.testing.assert_close(td.decode_attention(*args), leank_decode_attention(*args))  # auto -> torch
+
+
+def test_module_imports_without_triton():
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import leank_infer.triton_decode as td; assert not td.HAS_TRITON and not td.kernels_interpreted()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert td.num_splits(0, 8, cpu) == 0
+    assert td.num_splits(1, 8, cpu) == 1
+    assert td.num_splits(64 * 1000, 1, cpu) == 4 * 4  # WAVES x the interpreter's 4 "SMs"
+    assert td.num_splits(64 * 8, 1, cpu) == 2  # no split below MIN_BLOCKS_PER_SPLIT tiles
+    assert td.num_splits(64 * 1000, 10_000, cpu) == 1
+    per, n = td._split_len(100, 3, 16)  # 7 tiles over 3 splits: 3 + 3 + 1
+    assert (per, n) == (48, 3)
+    assert td._split_len(20, 5, 16) == (16, 2)  # more splits than tiles: none left empty
+
+
+# ---- the benchmark's CPU-side logic ------------------------------------------------------------
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
+    spec = importlib.util.spec_from_file_location("leank_bench_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_byte_floor_and_configs():
+    bench = _bench()
+    cfg = bench.LayerConfig(batch=2, seq_len=8192)
+    keep = torch.zeros(8, 128, dtype=torch.bool)
+    keep[:4, :32] = True  # 4 heads keep 32 channels, 4 keep none
+    parts = cfg.parts()
+    assert parts == {"head": 128, "middle": 8192 - 128 - 768, "tail": 768}
+    dense = bench.dense_bytes(cfg, 2)
+    assert dense == 2 * 2 * 8 * 128 * 8192 * 2
+    leank = bench.leank_bytes(cfg, keep, 2)
+    full_tokens = 128 + 768
+    mid = 8192 - full_tokens
+    assert leank == 2 * 2 * (2 * 8 * 128 * full_tokens + mid * (4 * 32 + 4 * 128))
+    assert bench.fits(cfg, keep, 2, free_bytes=10 * dense) and not bench.fits(
+        cfg, keep, 2, free_bytes=dense // 2
+    )
+    grid = bench.configs([1, 16], [8192, 32768])
+    assert [(c.batch, c.seq_len) for c in grid] == [(1, 8192), (1, 32768), (16, 8192), (16, 32768)]
+
+
+def test_benchmark_fails_cleanly_without_cuda():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
