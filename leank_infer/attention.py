@@ -88,11 +88,20 @@ class ChannelGroups:
 
 def _partial(scores: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)) over the last axis of fp32 ``scores`` [B,h,G,Q,k]; v: [B,h,k,D]."""
+    b, h, g, q, k = scores.shape
     m = scores.amax(-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m_safe)
-    acc = torch.matmul(p.to(value.dtype), value.unsqueeze(2)).float()
+    # one [G*Q, k] x [k, D] product per (row, head): no broadcast, so V is never copied
+    acc = torch.matmul(p.to(value.dtype).view(b, h, g * q, k), value).float().view(b, h, g, q, -1)
     return acc, m, p.sum(-1, keepdim=True)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, transposed: bool = False) -> torch.Tensor:
+    """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (or ``[B,h,c,n]``)."""
+    b, h, g, q_len, c = q.shape
+    s = torch.matmul(q.reshape(b, h, g * q_len, c), k if transposed else k.transpose(-1, -2))
+    return s.float().view(b, h, g, q_len, -1) * scaling
 
 
 def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -113,7 +122,7 @@ def leank_decode_attention(
     head_v: torch.Tensor,
     tail_k: torch.Tensor,
     tail_v: torch.Tensor,
-    mid_k: Sequence[torch.Tensor],
+    mid_kt: Sequence[torch.Tensor],
     mid_v: torch.Tensor | None,
     groups: ChannelGroups,
     head_full: torch.Tensor,
@@ -127,7 +136,8 @@ def leank_decode_attention(
     Args:
         query: ``[B, Hq, Q, D]`` (post-RoPE); query head h uses KV head ``h // (Hq // Hkv)``.
         head_k, head_v: ``[B, Hkv, H, D]``; tail_k, tail_v: ``[B, Hkv, t, D]`` (all channels).
-        mid_k: per group of ``groups``, ``[B, Hg, n, c_g]``; mid_v: ``[B, Hnz, n, D]`` or None.
+        mid_kt: per group of ``groups``, middle K *transposed*, ``[B, Hg, c_g, n]`` (keys contiguous, so
+            q @ K^T is a plain product); mid_v: ``[B, Hnz, n, D]`` or None.
         head_full / head_mid: ``[B, Q, H]`` bool, head keys scored with all / only kept channels
             (disjoint; False = not attended: padding, or causally hidden).
         mid_mask, tail_mask: ``[B, Q, n]`` / ``[B, Q, t]`` bool or None (= all attended).
@@ -143,30 +153,29 @@ def leank_decode_attention(
 
     if head_k.shape[2] > 0:
         keep = groups.keep.to(query.dtype).view(1, hkv, 1, 1, d)
-        kt = head_k.unsqueeze(2).transpose(-1, -2)
-        s_full = torch.matmul(q5, kt)
-        s_mid = torch.matmul(q5 * keep, kt)
+        s_full = _scores(q5, head_k, scaling)
+        s_mid = _scores(q5 * keep, head_k, scaling)
         mid = head_mid.unsqueeze(1).unsqueeze(1)  # [B,1,1,Q,H]
         allowed = head_full.unsqueeze(1).unsqueeze(1) | (mid & groups.nonzero.view(1, hkv, 1, 1, 1))
-        scores = torch.where(mid, s_mid, s_full).float() * scaling
+        scores = torch.where(mid, s_mid, s_full)
         state = _merge(state, _partial(_masked(scores, allowed), head_v))
 
     if tail_k.shape[2] > 0:
-        scores = torch.matmul(q5, tail_k.unsqueeze(2).transpose(-1, -2)).float() * scaling
+        scores = _scores(q5, tail_k, scaling)
         allowed = None if tail_mask is None else tail_mask.unsqueeze(1).unsqueeze(1)
         state = _merge(state, _partial(_masked(scores, allowed), tail_v))
 
-    n = mid_k[0].shape[2] if len(mid_k) else 0
+    n = mid_kt[0].shape[3] if len(mid_kt) else 0
     if n > 0:
         allowed = None if mid_mask is None else mid_mask.unsqueeze(1).unsqueeze(1)
         parts = []
         for heads, channels, off, k in zip(
-            groups.heads, groups.channels, groups.v_offsets, mid_k, strict=True
+            groups.heads, groups.channels, groups.v_offsets, mid_kt, strict=True
         ):
             hg, c = channels.shape
             qg = q5.index_select(1, heads)
             qg = qg.gather(-1, channels.view(1, hg, 1, 1, c).expand(b, hg, g, q_len, c))
-            scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * scaling
+            scores = _scores(qg, k, scaling, transposed=True)
             parts.append(_partial(_masked(scores, allowed), mid_v[:, off : off + hg]))
         order = groups.nonzero_order
         mid_state = (
@@ -290,7 +299,7 @@ def leank_attention_forward(
         layer.head_v,
         layer.tail_k,
         layer.tail_v,
-        layer.mid_k,
+        layer.mid_kt,
         layer.mid_v,
         layer.groups,
         scaling=scaling,

@@ -63,7 +63,7 @@ class LeanKLayer(CacheLayerMixin):
 
     def _clear(self) -> None:
         self.head_k = self.head_v = self.tail_k = self.tail_v = self.mid_v = None
-        self.mid_k: list[torch.Tensor] = []
+        self.mid_kt: list[torch.Tensor] = []
         self.starts: torch.Tensor | None = None
         self.head_target = self.sink_size
         self.recent_start = 0
@@ -79,7 +79,7 @@ class LeanKLayer(CacheLayerMixin):
 
     @property
     def mid_len(self) -> int:
-        return self.mid_k[0].shape[2] if self.mid_k else (0 if self.mid_v is None else self.mid_v.shape[2])
+        return self.mid_kt[0].shape[3] if self.mid_kt else (0 if self.mid_v is None else self.mid_v.shape[2])
 
     @property
     def tail_len(self) -> int:
@@ -103,7 +103,7 @@ class LeanKLayer(CacheLayerMixin):
         """Bytes of K/V this layer really holds (distinct storages)."""
         pending = self._pending or ()
         return storage_bytes(
-            [self.head_k, self.head_v, self.tail_k, self.tail_v, self.mid_v, *self.mid_k, *pending]
+            [self.head_k, self.head_v, self.tail_k, self.tail_v, self.mid_v, *self.mid_kt, *pending]
         )
 
     # ---- filling -------------------------------------------------------------------------------
@@ -118,8 +118,8 @@ class LeanKLayer(CacheLayerMixin):
         empty = key_states.new_empty(b, hkv, 0, d)
         self.head_k = self.tail_k = empty
         self.head_v = self.tail_v = value_states.new_empty(b, hkv, 0, value_states.shape[-1])
-        self.mid_k = [
-            key_states.new_empty(b, len(h), 0, c)
+        self.mid_kt = [
+            key_states.new_empty(b, len(h), c, 0)
             for h, c in zip(self.groups.heads, self.groups.counts, strict=True)
         ]
         self.mid_v = value_states.new_empty(b, len(self.groups.nonzero_order), 0, value_states.shape[-1])
@@ -185,16 +185,17 @@ class LeanKLayer(CacheLayerMixin):
         self.recent_start = max(0, t - self.recent_size)
         m = max(h, self.recent_start)
         self.head_k, self.head_v = _compact(k[:, :, :h]), _compact(v[:, :, :h])
-        self.mid_k, self.mid_v = self._compress(k[:, :, h:m], v[:, :, h:m])
+        self.mid_kt, self.mid_v = self._compress(k[:, :, h:m], v[:, :, h:m])
         self.tail_k, self.tail_v = _compact(k[:, :, m:]), _compact(v[:, :, m:])
 
     def _compress(self, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Middle form of full K/V ``[B, Hkv, n, D]``: kept channels per head group, V of nonzero heads."""
+        """Middle form of full K/V ``[B, Hkv, n, D]``: kept channels per head group (K^T), V of nonzero heads."""
         b, _, n, d = k.shape
         ks = []
         for heads, channels in zip(self.groups.heads, self.groups.channels, strict=True):
             hg, c = channels.shape
-            ks.append(k.index_select(1, heads).gather(-1, channels.view(1, hg, 1, c).expand(b, hg, n, c)))
+            kept = k.index_select(1, heads).gather(-1, channels.view(1, hg, 1, c).expand(b, hg, n, c))
+            ks.append(_compact(kept.transpose(-1, -2)))
         return ks, v.index_select(1, self.groups.nonzero_order)
 
     def _roll(self) -> None:
@@ -205,7 +206,7 @@ class LeanKLayer(CacheLayerMixin):
         if move <= 0:
             return
         ks, v = self._compress(self.tail_k[:, :, :move], self.tail_v[:, :, :move])
-        self.mid_k = [torch.cat([a, b], dim=2) for a, b in zip(self.mid_k, ks, strict=True)]
+        self.mid_kt = [torch.cat([a, b], dim=3) for a, b in zip(self.mid_kt, ks, strict=True)]
         self.mid_v = torch.cat([self.mid_v, v], dim=2)
         self.tail_k, self.tail_v = _compact(self.tail_k[:, :, move:]), _compact(self.tail_v[:, :, move:])
 
@@ -229,7 +230,7 @@ class LeanKLayer(CacheLayerMixin):
             self._pending = (fn(self._pending[0]), fn(self._pending[1]))
         for name in ("head_k", "head_v", "tail_k", "tail_v", "mid_v", "starts"):
             setattr(self, name, fn(getattr(self, name)))
-        self.mid_k = [fn(t) for t in self.mid_k]
+        self.mid_kt = [fn(t) for t in self.mid_kt]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
