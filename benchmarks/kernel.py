@@ -83,11 +83,17 @@ def make_mask(cfg: LayerConfig, seed: int = 1) -> torch.Tensor:
     return mask.keep[0]
 
 
-def build_inputs(cfg: LayerConfig, keep: torch.Tensor, dtype: torch.dtype, starts: list[int] | None = None):
-    """(dense q/k/v, leank_decode_attention args) over the same random cache; rows may start late (left padding)."""
+def build_inputs(
+    cfg: LayerConfig,
+    keep: torch.Tensor,
+    dtype: torch.dtype,
+    starts: list[int] | None = None,
+    device: str = "cuda",
+):
+    """(dense q/k/v/padding, leank_decode_attention args) over one random cache; rows may start late (left padding)."""
     from leank_infer.attention import ChannelGroups
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     b, hkv, d = cfg.batch, cfg.kv_heads, cfg.head_dim
     q = torch.randn(b, cfg.q_heads, 1, d, device=dev, dtype=dtype)
     k = torch.randn(b, hkv, cfg.seq_len, d, device=dev, dtype=dtype)
@@ -119,16 +125,25 @@ def _fp32(args: tuple) -> tuple:
     return tuple([up(t) for t in a] if isinstance(a, list) else up(a) for a in args)
 
 
-def check_correctness(keep: torch.Tensor) -> list[str]:
-    """Kernel vs the PyTorch path (in fp32 on the same values), fp16 and bf16, left-padded batch of 2."""
+TOLERANCE = {"fp16": 1e-3, "bf16": 8e-3}  # relative (norm) error against an fp32 evaluation
+
+
+def check_correctness(
+    keep: torch.Tensor,
+    cfg: LayerConfig | None = None,
+    device: str = "cuda",
+    dtypes: tuple[str, ...] = ("fp16", "bf16"),
+) -> list[str]:
+    """Kernel vs the PyTorch path (in fp32 on the same values), and full-mask kernel vs SDPA; left-padded batch of 2."""
     from leank_infer.attention import ChannelGroups, leank_decode_attention
     from leank_infer.triton_decode import triton_decode_attention
 
     lines, ok = [], True
-    cfg = LayerConfig(batch=2, seq_len=4096 + 37)
-    for name, dtype, tol in (("fp16", torch.float16, 1e-3), ("bf16", torch.bfloat16, 8e-3)):
+    cfg = cfg or LayerConfig(batch=2, seq_len=4096 + 37)
+    for name in dtypes:
+        dtype, tol = DTYPES[name], TOLERANCE[name]
         torch.manual_seed(0)
-        (_, k, v, pad), args = build_inputs(cfg, keep, dtype, starts=[0, 45])
+        (_, k, v, pad), args = build_inputs(cfg, keep, dtype, starts=[0, 45], device=device)
         ref = leank_decode_attention(*_fp32(args))
         got = triton_decode_attention(*args)
         rel = float((got.float() - ref).norm() / ref.norm())

@@ -53,6 +53,7 @@ BACKENDS = ("torch", "triton", "auto")
 BLOCK_N = 64  # keys per tile; every split covers a multiple of it
 MIN_BLOCKS_PER_SPLIT = 4  # a split amortises its q load and partial write over at least 256 keys
 WAVES = 4  # target programs per SM when choosing split counts (latency hiding at small batch)
+NUM_WARPS, NUM_STAGES = 4, 3  # launch options of the partial kernels (untuned: chosen without a GPU)
 _LOG2E = 1.4426950408889634
 
 
@@ -404,7 +405,17 @@ def triton_decode_attention(
     block_d = max(16, triton.next_power_of_2(d))
     prec = "ieee" if query.dtype == torch.float32 else None  # fp32: exact products, not TF32
     qk_scale = float(scaling) * _LOG2E
-    common = dict(G=g, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, PREC=prec)
+    # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)
+    stages = 2 if query.dtype == torch.float32 else NUM_STAGES
+    common = dict(
+        G=g,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        PREC=prec,
+        num_warps=NUM_WARPS,
+        num_stages=stages,
+    )
 
     if s_full:
         hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)

@@ -320,3 +320,54 @@ def test_benchmark_fails_cleanly_without_cuda():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
     r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_benchmark_correctness_check_runs_on_the_interpreter():
+    """The benchmark's GPU correctness check, shrunk to interpreter size (fp16: bf16 dots are wrong there)."""
+    bench = _bench()
+    cfg = bench.LayerConfig(batch=2, seq_len=300, q_heads=8, kv_heads=4, head_dim=64, sink=16, recent=64)
+    keep = bench.make_mask(cfg)
+    lines = bench.check_correctness(keep, cfg, device="cpu", dtypes=("fp16",))
+    assert len(lines) == 1 and lines[0].endswith("ok")
+
+
+AOT_SCRIPT = r"""
+import sys
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+except ImportError as e:
+    print("SKIP", e); sys.exit(0)
+from leank_infer import triton_decode as td
+
+def build(fn, types, consts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    opts = {"num_warps": td.NUM_WARPS, "num_stages": td.NUM_STAGES}
+    compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+
+for dt in ("fp16", "bf16"):
+    ws = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "qk_scale": "fp32"}
+    common = dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=td.BLOCK_N, PREC=None)
+    full = {n: "*" + dt for n in ("Q", "HK", "HV", "TK", "TV")} | {n: "*u8" for n in ("KEEP", "HFULL", "HMID", "TMASK")}
+    build(td._full_part_kernel, full | ws, common | dict(HAS_TAIL_MASK=True))
+    mid = {n: "*" + dt for n in ("Q", "K", "V")} | {"HEADS": "*i64", "CHANNELS": "*i64", "MMASK": "*u8"}
+    build(td._mid_part_kernel, mid | ws, common | dict(C=48, BLOCK_C=64, HAS_MASK=True))
+    merge = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "KEEP": "*u8", "OUT": "*" + dt}
+    build(td._merge_kernel, merge, dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128))
+print("OK")
+"""
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Ahead-of-time compile (TTIR -> PTX -> cubin, sm_90) in fp16 and bf16: the interpreter checks values,
+    this checks what it cannot (typing and lowering of the compiled path, bf16 dots, ptxas)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    r = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
+    if r.stdout.startswith("SKIP"):
+        pytest.skip(r.stdout)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
