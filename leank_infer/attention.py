@@ -97,10 +97,10 @@ def _partial(scores: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, t
     return acc, m, p.sum(-1, keepdim=True)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, transposed: bool = False) -> torch.Tensor:
-    """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (or ``[B,h,c,n]``)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (read in place)."""
     b, h, g, q_len, c = q.shape
-    s = torch.matmul(q.reshape(b, h, g * q_len, c), k if transposed else k.transpose(-1, -2))
+    s = torch.matmul(q.reshape(b, h, g * q_len, c), k.transpose(-1, -2))
     return s.float().view(b, h, g, q_len, -1) * scaling
 
 
@@ -122,7 +122,7 @@ def leank_decode_attention(
     head_v: torch.Tensor,
     tail_k: torch.Tensor,
     tail_v: torch.Tensor,
-    mid_kt: Sequence[torch.Tensor],
+    mid_k: Sequence[torch.Tensor],
     mid_v: torch.Tensor | None,
     groups: ChannelGroups,
     head_full: torch.Tensor,
@@ -136,8 +136,8 @@ def leank_decode_attention(
     Args:
         query: ``[B, Hq, Q, D]`` (post-RoPE); query head h uses KV head ``h // (Hq // Hkv)``.
         head_k, head_v: ``[B, Hkv, H, D]``; tail_k, tail_v: ``[B, Hkv, t, D]`` (all channels).
-        mid_kt: per group of ``groups``, middle K *transposed*, ``[B, Hg, c_g, n]`` (keys contiguous, so
-            q @ K^T is a plain product); mid_v: ``[B, Hnz, n, D]`` or None.
+        mid_k: per group of ``groups``, ``[B, Hg, n, c_g]`` (any strides: the cache passes transposed
+            views of keys-contiguous storage, so q @ K^T reads K in place); mid_v: ``[B, Hnz, n, D]`` or None.
         head_full / head_mid: ``[B, Q, H]`` bool, head keys scored with all / only kept channels
             (disjoint; False = not attended: padding, or causally hidden).
         mid_mask, tail_mask: ``[B, Q, n]`` / ``[B, Q, t]`` bool or None (= all attended).
@@ -165,17 +165,17 @@ def leank_decode_attention(
         allowed = None if tail_mask is None else tail_mask.unsqueeze(1).unsqueeze(1)
         state = _merge(state, _partial(_masked(scores, allowed), tail_v))
 
-    n = mid_kt[0].shape[3] if len(mid_kt) else 0
+    n = mid_k[0].shape[2] if len(mid_k) else 0
     if n > 0:
         allowed = None if mid_mask is None else mid_mask.unsqueeze(1).unsqueeze(1)
         parts = []
         for heads, channels, off, k in zip(
-            groups.heads, groups.channels, groups.v_offsets, mid_kt, strict=True
+            groups.heads, groups.channels, groups.v_offsets, mid_k, strict=True
         ):
             hg, c = channels.shape
             qg = q5.index_select(1, heads)
             qg = qg.gather(-1, channels.view(1, hg, 1, 1, c).expand(b, hg, g, q_len, c))
-            scores = _scores(qg, k, scaling, transposed=True)
+            scores = _scores(qg, k, scaling)
             parts.append(_partial(_masked(scores, allowed), mid_v[:, off : off + hg]))
         order = groups.nonzero_order
         mid_state = (
@@ -299,7 +299,7 @@ def leank_attention_forward(
         layer.head_v,
         layer.tail_k,
         layer.tail_v,
-        layer.mid_kt,
+        layer.mid_k,
         layer.mid_v,
         layer.groups,
         scaling=scaling,

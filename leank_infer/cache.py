@@ -63,7 +63,7 @@ class LeanKLayer(CacheLayerMixin):
 
     def _clear(self) -> None:
         self.head_k = self.head_v = self.tail_k = self.tail_v = self.mid_v = None
-        self.mid_kt: list[torch.Tensor] = []
+        self._mid_kt: list[torch.Tensor] = []
         self.starts: torch.Tensor | None = None
         self.head_target = self.sink_size
         self.recent_start = 0
@@ -79,7 +79,14 @@ class LeanKLayer(CacheLayerMixin):
 
     @property
     def mid_len(self) -> int:
-        return self.mid_kt[0].shape[3] if self.mid_kt else (0 if self.mid_v is None else self.mid_v.shape[2])
+        return (
+            self._mid_kt[0].shape[3] if self._mid_kt else (0 if self.mid_v is None else self.mid_v.shape[2])
+        )
+
+    @property
+    def mid_k(self) -> list[torch.Tensor]:
+        """Middle K per head group as ``[B, Hg, n, c]`` views (stored transposed: keys contiguous per channel)."""
+        return [t.transpose(-1, -2) for t in self._mid_kt]
 
     @property
     def tail_len(self) -> int:
@@ -103,7 +110,7 @@ class LeanKLayer(CacheLayerMixin):
         """Bytes of K/V this layer really holds (distinct storages)."""
         pending = self._pending or ()
         return storage_bytes(
-            [self.head_k, self.head_v, self.tail_k, self.tail_v, self.mid_v, *self.mid_kt, *pending]
+            [self.head_k, self.head_v, self.tail_k, self.tail_v, self.mid_v, *self._mid_kt, *pending]
         )
 
     # ---- filling -------------------------------------------------------------------------------
@@ -118,7 +125,7 @@ class LeanKLayer(CacheLayerMixin):
         empty = key_states.new_empty(b, hkv, 0, d)
         self.head_k = self.tail_k = empty
         self.head_v = self.tail_v = value_states.new_empty(b, hkv, 0, value_states.shape[-1])
-        self.mid_kt = [
+        self._mid_kt = [
             key_states.new_empty(b, len(h), c, 0)
             for h, c in zip(self.groups.heads, self.groups.counts, strict=True)
         ]
@@ -185,7 +192,7 @@ class LeanKLayer(CacheLayerMixin):
         self.recent_start = max(0, t - self.recent_size)
         m = max(h, self.recent_start)
         self.head_k, self.head_v = _compact(k[:, :, :h]), _compact(v[:, :, :h])
-        self.mid_kt, self.mid_v = self._compress(k[:, :, h:m], v[:, :, h:m])
+        self._mid_kt, self.mid_v = self._compress(k[:, :, h:m], v[:, :, h:m])
         self.tail_k, self.tail_v = _compact(k[:, :, m:]), _compact(v[:, :, m:])
 
     def _compress(self, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -206,7 +213,7 @@ class LeanKLayer(CacheLayerMixin):
         if move <= 0:
             return
         ks, v = self._compress(self.tail_k[:, :, :move], self.tail_v[:, :, :move])
-        self.mid_kt = [torch.cat([a, b], dim=3) for a, b in zip(self.mid_kt, ks, strict=True)]
+        self._mid_kt = [torch.cat([a, b], dim=3) for a, b in zip(self._mid_kt, ks, strict=True)]
         self.mid_v = torch.cat([self.mid_v, v], dim=2)
         self.tail_k, self.tail_v = _compact(self.tail_k[:, :, move:]), _compact(self.tail_v[:, :, move:])
 
@@ -230,7 +237,7 @@ class LeanKLayer(CacheLayerMixin):
             self._pending = (fn(self._pending[0]), fn(self._pending[1]))
         for name in ("head_k", "head_v", "tail_k", "tail_v", "mid_v", "starts"):
             setattr(self, name, fn(getattr(self, name)))
-        self.mid_kt = [fn(t) for t in self.mid_kt]
+        self._mid_kt = [fn(t) for t in self._mid_kt]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

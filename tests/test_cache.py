@@ -138,13 +138,13 @@ def test_prefill_layout_and_storage():
     layer = run.layer
     assert (layer.head_len, layer.mid_len, layer.tail_len) == (SINK, 40 - SINK - RECENT, RECENT)
     counts = keep.sum(-1)
-    assert [k.shape[-2] for k in layer.mid_kt] == sorted({int(c) for c in counts if c > 0})
+    assert [k.shape[-1] for k in layer.mid_k] == sorted({int(c) for c in counts if c > 0})
     assert layer.mid_v.shape[1] == int((counts > 0).sum())  # no V for the zero head
     # middle K really holds only the kept channels of each head
-    for heads, channels, k in zip(layer.groups.heads, layer.groups.channels, layer.mid_kt, strict=True):
+    for heads, channels, k in zip(layer.groups.heads, layer.groups.channels, layer.mid_k, strict=True):
         full = run.k[:, heads, SINK : SINK + layer.mid_len]
         want = full.gather(-1, channels.view(1, len(heads), 1, -1).expand(1, len(heads), layer.mid_len, -1))
-        assert torch.equal(k, want.transpose(-1, -2))
+        assert torch.equal(k, want)
     item = 4
     mask = ChannelMask(
         keep=keep.unsqueeze(0), sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, align=4
