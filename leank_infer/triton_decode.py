@@ -53,6 +53,8 @@ BACKENDS = ("torch", "triton", "auto")
 BLOCK_N = 64  # keys per tile; every split covers a multiple of it
 MIN_BLOCKS_PER_SPLIT = 4  # a split amortises its q load and partial write over at least 256 keys
 WAVES = 4  # target programs per SM when choosing split counts (latency hiding at small batch)
+MAX_SPLITS = 128  # per part; beyond this the merge reads more than the split saves
+MERGE_BLOCK_S = 32  # partials merged per step
 NUM_WARPS, NUM_STAGES = 4, 3  # launch options of the partial kernels (untuned: chosen without a GPU)
 _LOG2E = 1.4426950408889634
 
@@ -73,13 +75,15 @@ def _online_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(ACC, M, L, acc, m_i, l_i, row, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr):
-    """Write one partial (``row`` = index of (b, kv head, slot) in the ``[B, Hkv, S]`` workspace)."""
+def _store_partial(
+    ACC, M, L, acc, m_i, l_i, bh, slot, n_slots, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr
+):
+    """Write one partial: (row, KV head) ``bh``, split ``slot`` of the ``[B, Hkv, G, S(, D)]`` workspace."""
     g_ok = offs_g < G
-    tl.store(M + row * G + offs_g, m_i, mask=g_ok)
-    tl.store(L + row * G + offs_g, l_i, mask=g_ok)
-    ptrs = ACC + (row * G + offs_g[:, None]) * D + offs_d[None, :]
-    tl.store(ptrs, acc, mask=g_ok[:, None] & (offs_d[None, :] < D))
+    rows = (bh * G + offs_g) * n_slots + slot  # [BG]
+    tl.store(M + rows, m_i, mask=g_ok)
+    tl.store(L + rows, l_i, mask=g_ok)
+    tl.store(ACC + rows[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -163,7 +167,7 @@ def _full_part_kernel(
         )
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
 
-    _store_partial(ACC, M, L, acc, m_i, l_i, (b * n_kv_heads + kvh) * n_slots + split, offs_g, offs_d, G, D)
+    _store_partial(ACC, M, L, acc, m_i, l_i, b * n_kv_heads + kvh, split, n_slots, offs_g, offs_d, G, D)
 
 
 @triton.jit
@@ -223,8 +227,8 @@ def _mid_part_kernel(
         )
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
 
-    row = (b * n_kv_heads + kvh) * n_slots + slot_offset + split
-    _store_partial(ACC, M, L, acc, m_i, l_i, row, offs_g, offs_d, G, D)
+    bh = b * n_kv_heads + kvh
+    _store_partial(ACC, M, L, acc, m_i, l_i, bh, slot_offset + split, n_slots, offs_g, offs_d, G, D)
 
 
 @triton.jit
@@ -232,43 +236,43 @@ def _merge_kernel(
     ACC, M, L, KEEP, OUT,
     skeep_h, skeep_d, so_b, so_h, so_d,
     n_kv_heads, n_slots, n_full_slots, n_mid_slots,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Log-sum-exp merge of one (row, KV head)'s partials; middle slots only for heads keeping channels."""
-    pid = tl.program_id(0)
-    b = (pid // n_kv_heads).to(tl.int64)
-    kvh = (pid % n_kv_heads).to(tl.int64)
-    offs_g = tl.arange(0, BLOCK_G)
+    """Log-sum-exp merge of one (row, query head)'s partials, BLOCK_S splits at a time.
+
+    Middle slots count only for KV heads that keep channels (zero heads never wrote them).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid % G
+    bh = pid // G
+    b = bh // n_kv_heads
+    kvh = bh % n_kv_heads
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
     d_ok = offs_d < D
     keep = tl.load(KEEP + kvh * skeep_h + offs_d * skeep_d, mask=d_ok, other=0)
     used = n_full_slots + tl.where(tl.max(keep.to(tl.int32), 0) > 0, n_mid_slots, 0)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    base = (b * n_kv_heads + kvh) * n_slots
-    for slot in range(0, used):
-        row = base + slot
-        m_s = tl.load(M + row * G + offs_g, mask=g_ok, other=float("-inf"))
-        l_s = tl.load(L + row * G + offs_g, mask=g_ok, other=0.0)
-        a_s = tl.load(
-            ACC + (row * G + offs_g[:, None]) * D + offs_d[None, :],
-            mask=g_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    base = (bh * G + g) * n_slots
+    for s0 in range(0, used, BLOCK_S):
+        ok = s0 + offs_s < used
+        rows = base + s0 + offs_s
+        m_s = tl.load(M + rows, mask=ok, other=float("-inf"))
+        l_s = tl.load(L + rows, mask=ok, other=0.0)
+        a_s = tl.load(ACC + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended yet: weights 0, not NaN
         w_old = tl.exp2(m_i - m_safe)
-        w_new = tl.exp2(m_s - m_safe)
-        acc = acc * w_old[:, None] + a_s * w_new[:, None]
-        l_i = l_i * w_old + l_s * w_new
+        w = tl.exp2(m_s - m_safe)
+        acc = acc * w_old + tl.sum(a_s * w[:, None], 0)
+        l_i = l_i * w_old + tl.sum(l_s * w, 0)
         m_i = m_new
 
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    o_ptrs = OUT + b * so_b + (kvh * G + offs_g)[:, None] * so_h + offs_d[None, :] * so_d
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    out = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    tl.store(OUT + b * so_b + (kvh * G + g) * so_h + offs_d * so_d, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,13 +299,14 @@ def num_splits(n_keys: int, programs: int, device: torch.device, block_n: int = 
     """Splits of a part of ``n_keys`` keys over ``programs`` (row, head) programs (flash-decoding heuristic).
 
     Enough splits to give every SM ``WAVES`` programs when the batch is small, but no split shorter
-    than ``MIN_BLOCKS_PER_SPLIT`` tiles (merge cost and per-split prologue); 0 for an empty part.
+    than ``MIN_BLOCKS_PER_SPLIT`` tiles (merge cost and per-split prologue) and at most
+    ``MAX_SPLITS``; 0 for an empty part.
     """
     blocks = -(-n_keys // block_n)
     if blocks == 0:
         return 0
     want = -(-WAVES * _sm_count(device) // max(1, programs))
-    return max(1, min(want, -(-blocks // MIN_BLOCKS_PER_SPLIT)))
+    return max(1, min(want, MAX_SPLITS, -(-blocks // MIN_BLOCKS_PER_SPLIT)))
 
 
 def _split_len(n_keys: int, splits: int, block_n: int) -> tuple[int, int]:
@@ -394,9 +399,9 @@ def triton_decode_attention(
         s_mid = 0
     n_slots = max(1, s_full + s_mid)
 
-    acc = _workspace((b, hkv, n_slots, g, d), device)
-    m_ws = _workspace((b, hkv, n_slots, g), device)
-    l_ws = _workspace((b, hkv, n_slots, g), device)
+    acc = _workspace((b, hkv, g, n_slots, d), device)
+    m_ws = _workspace((b, hkv, g, n_slots), device)
+    l_ws = _workspace((b, hkv, g, n_slots), device)
     if out is None:
         out = torch.empty(b, 1, hq, d, dtype=query.dtype, device=device)
     q = query[:, :, 0]  # [B, Hq, D]
@@ -441,11 +446,11 @@ def triton_decode_attention(
                 n, mid_split, hg, v_off, hkv, n_slots, s_full, qk_scale,
                 C=c, D=d, BLOCK_C=max(16, triton.next_power_of_2(c)), HAS_MASK=mm is not None, **common,
             )  # fmt: skip
-    _merge_kernel[(b * hkv,)](
+    _merge_kernel[(b * hq,)](
         acc, m_ws, l_ws, keep, out,
         *keep.stride(), out.stride(0), out.stride(2), out.stride(3),
         hkv, n_slots, s_full, s_mid,
-        G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
+        G=g, D=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
     )  # fmt: skip
     return out
 

@@ -128,10 +128,12 @@ def test_kept_count_mixes_and_lengths(counts, mid):
     run_and_check(make_case(counts, mid=mid, seed=mid))
 
 
-@pytest.mark.parametrize("splits", [None, 1, 2, 3, 16])
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 16, 40])
 def test_split_counts(splits):
-    # block_n 16: a 5-key head (padded to 16), 9 tail keys and 41 middle keys span several tiles
-    run_and_check(make_case([16, 0, 32, 48], head=5, mid=41, tail=9), splits=splits, block_n=16)
+    # block_n 16: a 5-key head (padded to 16), 9 tail keys and 41 middle keys span several tiles;
+    # 600 middle keys at 16 a tile give 38 middle splits + 2 full: more than one merge step (32)
+    mid = 600 if splits == 40 else 41
+    run_and_check(make_case([16, 0, 32, 48], head=5, mid=mid, tail=9), splits=splits, block_n=16)
 
 
 @pytest.mark.parametrize("g", [1, 2, 4])
@@ -270,13 +272,15 @@ def test_module_imports_without_triton():
     assert r.returncode == 0, r.stderr
 
 
-def test_num_splits_heuristic():
+def test_num_splits_heuristic(monkeypatch):
     cpu = torch.device("cpu")
     assert td.num_splits(0, 8, cpu) == 0
     assert td.num_splits(1, 8, cpu) == 1
     assert td.num_splits(64 * 1000, 1, cpu) == 4 * 4  # WAVES x the interpreter's 4 "SMs"
     assert td.num_splits(64 * 8, 1, cpu) == 2  # no split below MIN_BLOCKS_PER_SPLIT tiles
     assert td.num_splits(64 * 1000, 10_000, cpu) == 1
+    monkeypatch.setattr(td, "_sm_count", lambda device: 1000)
+    assert td.num_splits(64 * 100_000, 1, cpu) == td.MAX_SPLITS
     per, n = td._split_len(100, 3, 16)  # 7 tiles over 3 splits: 3 + 3 + 1
     assert (per, n) == (48, 3)
     assert td._split_len(20, 5, 16) == (16, 2)  # more splits than tiles: none left empty
@@ -353,7 +357,7 @@ for dt in ("fp16", "bf16"):
     mid = {n: "*" + dt for n in ("Q", "K", "V")} | {"HEADS": "*i64", "CHANNELS": "*i64", "MMASK": "*u8"}
     build(td._mid_part_kernel, mid | ws, common | dict(C=48, BLOCK_C=64, HAS_MASK=True))
     merge = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "KEEP": "*u8", "OUT": "*" + dt}
-    build(td._merge_kernel, merge, dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128))
+    build(td._merge_kernel, merge, dict(G=4, D=128, BLOCK_S=td.MERGE_BLOCK_S, BLOCK_D=128))
 print("OK")
 """
 
