@@ -1,21 +1,25 @@
 """Triton flash-decoding over the LeanK compressed cache, and the backend dispatcher.
 
-One decode step (one new query token per row) costs three kinds of launches:
+One decode step (one new query token per row) is two launches:
 
-1. ``_full_part_kernel``, grid ``(B * Hkv, S_full)``: the full-channel parts (head, then tail) of
-   each KV head, split over the sequence; per split it writes an unnormalised partial result
-   (acc ``[G, D]``, running max m ``[G]``, sum of exps l ``[G]``, base-2 logits).
-2. ``_mid_part_kernel``, one launch per middle group (heads of equal kept count c), grid
-   ``(B * Hg, S_mid)``: the same over the compressed middle keys, dotting only the kept channels
-   of q with the ``c``-channel keys. Zero-channel heads are in no group: they never touch the
-   middle.
-3. ``_merge_kernel``, grid ``(B * Hkv,)``: log-sum-exp merge of every partial of a KV head and the
-   final division; writes ``[B, 1, Hq, D]``.
+1. ``_partials_kernel``, a 1-D grid: its first ``B * Hkv * S_full`` programs do the full-channel
+   parts (head, then tail) of one (row, KV head, split); the other ``B * Hnz * S_mid`` programs the
+   compressed middle of one (row, nonzero KV head, split), every group of the ``ChannelGroups``
+   in the same launch (the group's K tensor, kept count and channel list are picked per program
+   from tuple arguments; q is gathered on the kept channels once). Zero-channel heads have no
+   middle programs. Each program writes an unnormalised partial (acc ``[G, D]``, running max m
+   ``[G]``, sum of exps l ``[G]``, base-2 logits) to an fp32 workspace.
+2. ``_merge_kernel``, grid ``(B * Hq,)``: log-sum-exp merge of the partials of one (row, query
+   head), 32 splits at a time, and the final division; writes ``[B, 1, Hq, D]``.
 
 GQA: the G query heads of a KV head live in one program as the rows of a ``[G, D] x [D, BLOCK_N]``
 dot, so each K/V tile is loaded once for all of them. Scores accumulate in fp32 (fp16/bf16/fp32
 inputs). Partial slots per KV head: ``[0, S_full)`` full parts, then ``[S_full, S_full + S_mid)``
 middle, the latter read by the merge only for heads that keep channels (so nothing needs clearing).
+The middle tile is ``BLOCK_C = next_pow2(max kept count)`` channels for every group, masked to
+the group's count: loads fetch only kept bytes (16-byte vectors when counts are multiples of 16,
+as align 16/32 gives), the dot does padded work, which a memory-bound decode can afford. Middle K
+tensors are indexed as contiguous ``[B, Hg, n, c]`` (the cache's are; others are copied).
 
 Masks are the reference's (``head_full``/``head_mid``/``mid_mask``/``tail_mask`` of
 :func:`~leank_infer.attention.leank_decode_attention`), read per key in the kernel through their
@@ -87,30 +91,22 @@ def _store_partial(
 
 
 @triton.jit
-def _full_part_kernel(
-    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L,
+def _full_part(
+    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L, b, kvh, split,
     sq_b, sq_h, sq_d,
-    shk_b, shk_h, shk_n, shk_d,
-    shv_b, shv_h, shv_n, shv_d,
-    stk_b, stk_h, stk_n, stk_d,
-    stv_b, stv_h, stv_n, stv_d,
-    skeep_h, skeep_d,
-    shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+    shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
+    stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
+    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
     head_len, head_pad, tail_len, split_len, n_kv_heads, n_slots, qk_scale,
-    G: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_TAIL_MASK: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Partial attention of one (row, KV head, split) over the virtual sequence [head | pad | tail].
+    """Partial attention of (row b, KV head kvh, split) over the virtual sequence [head | pad | tail].
 
     The head is padded to ``head_pad`` (a multiple of BLOCK_N) so tail tiles stay aligned. Head keys
     are scored with all channels (``head_full``) or only the kept ones (``head_mid``: that row's
     middle keys stored in the head, e.g. under left padding); zero-channel heads skip the latter.
     """
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (pid // n_kv_heads).to(tl.int64)  # int64: b * stride passes 2**31 elements in big caches
-    kvh = (pid % n_kv_heads).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -151,18 +147,19 @@ def _full_part_kernel(
 
     for start in range(tl.maximum(lo, head_pad) - head_pad, hi - head_pad, BLOCK_N):
         j = start + offs_n
-        ok = j < tail_len
+        in_range = j < tail_len
         k = tl.load(
             TK + b * stk_b + kvh * stk_h + j[None, :] * stk_n + offs_d[:, None] * stk_d,
-            mask=d_ok[:, None] & ok[None, :],
+            mask=d_ok[:, None] & in_range[None, :],
             other=0.0,
         )
+        ok = in_range
         if HAS_TAIL_MASK:
-            ok = ok & (tl.load(TMASK + b * stm_b + j * stm_n, mask=ok, other=0) != 0)
+            ok = ok & (tl.load(TMASK + b * stm_b + j * stm_n, mask=in_range, other=0) != 0)
         s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
         v = tl.load(
             TV + b * stv_b + kvh * stv_h + j[:, None] * stv_n + offs_d[None, :] * stv_d,
-            mask=(j < tail_len)[:, None] & d_ok[None, :],
+            mask=in_range[:, None] & d_ok[None, :],
             other=0.0,
         )
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
@@ -171,37 +168,45 @@ def _full_part_kernel(
 
 
 @triton.jit
-def _mid_part_kernel(
-    Q, K, V, HEADS, CHANNELS, MMASK, ACC, M, L,
-    sq_b, sq_h, sq_d,
-    sk_b, sk_h, sk_n, sk_c,
-    sv_b, sv_h, sv_n, sv_d,
-    sch_h, sch_c, smm_b, smm_n,
-    mid_len, split_len, n_group_heads, v_offset, n_kv_heads, n_slots, slot_offset, qk_scale,
-    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+def _mid_part(
+    Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, b, i, split,
+    sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
+    STARTS, SIZES, COUNTS,
+    mid_len, split_len, n_kv_heads, n_slots, slot_offset, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Partial attention of one (row, head i of a middle group, split) over the compressed middle.
+    """Partial attention of (row b, nonzero head i, split) over the compressed middle.
 
-    Group head i is KV head ``HEADS[i]``; its keys hold only channels ``CHANNELS[i, :C]`` (so q is
-    gathered on those channels once, outside the loop) and its V rows are ``v_offset + i``.
+    Nonzero head i is KV head ``NZ[i]`` and V row i; it belongs to the last group g with
+    ``STARTS[g] <= i``, whose contiguous K ``MK[g]`` (``[B, SIZES[g], n, COUNTS[g]]``) holds channels
+    ``MCH[g][i - STARTS[g]]`` only: q is gathered on them once, outside the loop.
     """
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (pid // n_group_heads).to(tl.int64)
-    i = (pid % n_group_heads).to(tl.int64)
+    k_base = MK[0]
+    ch_base = MCH[0]
+    first = STARTS[0]
+    hg = SIZES[0]
+    c = COUNTS[0]
+    for gi in tl.static_range(1, NUM_GROUPS):
+        if i >= STARTS[gi]:
+            k_base = MK[gi]
+            ch_base = MCH[gi]
+            first = STARTS[gi]
+            hg = SIZES[gi]
+            c = COUNTS[gi]
+    local = i - first
+    kvh = tl.load(NZ + i)
+
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    c_ok = offs_c < C
+    c_ok = offs_c < c
     d_ok = offs_d < D
-
-    kvh = tl.load(HEADS + i)
-    ch = tl.load(CHANNELS + i * sch_h + offs_c * sch_c, mask=c_ok, other=0)
+    ch = tl.load(ch_base + local * c + offs_c, mask=c_ok, other=0)
     q_ptrs = Q + b * sq_b + (kvh * G + offs_g)[:, None] * sq_h + ch[None, :] * sq_d
     q = tl.load(q_ptrs, mask=(offs_g[:, None] < G) & c_ok[None, :], other=0.0)
+    k_row = k_base + (b * hg + local) * mid_len * c  # [n, c] block of this (row, head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -212,23 +217,65 @@ def _mid_part_kernel(
         j = start + offs_n
         in_range = j < mid_len
         k = tl.load(
-            K + b * sk_b + i * sk_h + j[None, :] * sk_n + offs_c[:, None] * sk_c,
-            mask=c_ok[:, None] & in_range[None, :],
-            other=0.0,
+            k_row + j[None, :] * c + offs_c[:, None], mask=c_ok[:, None] & in_range[None, :], other=0.0
         )
         ok = in_range
-        if HAS_MASK:
+        if HAS_MID_MASK:
             ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
         s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
         v = tl.load(
-            V + b * sv_b + (v_offset + i) * sv_h + j[:, None] * sv_n + offs_d[None, :] * sv_d,
+            MV + b * smv_b + i * smv_h + j[:, None] * smv_n + offs_d[None, :] * smv_d,
             mask=in_range[:, None] & d_ok[None, :],
             other=0.0,
         )
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
 
-    bh = b * n_kv_heads + kvh
-    _store_partial(ACC, M, L, acc, m_i, l_i, bh, slot_offset + split, n_slots, offs_g, offs_d, G, D)
+    _store_partial(
+        ACC, M, L, acc, m_i, l_i, b * n_kv_heads + kvh, slot_offset + split, n_slots, offs_g, offs_d, G, D
+    )
+
+
+@triton.jit
+def _partials_kernel(
+    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, MK, MCH, MV, NZ, MMASK, ACC, M, L,
+    sq_b, sq_h, sq_d,
+    shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
+    stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
+    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+    smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
+    STARTS, SIZES, COUNTS,
+    head_len, head_pad, tail_len, full_split_len, n_full_splits, n_full_programs,
+    mid_len, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """All partials of a decode step in one launch: programs ``[0, n_full_programs)`` do the full parts
+    of (row, KV head, split), the rest the middle of (row, nonzero head, split), every group included."""
+    pid = tl.program_id(0)
+    if pid < n_full_programs:
+        split = pid % n_full_splits
+        bh = (pid // n_full_splits).to(tl.int64)  # int64: row * stride passes 2**31 elements in big caches
+        _full_part(
+            Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L, bh // n_kv_heads, bh % n_kv_heads, split,
+            sq_b, sq_h, sq_d,
+            shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
+            stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
+            skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+            head_len, head_pad, tail_len, full_split_len, n_kv_heads, n_slots, qk_scale,
+            G, D, BLOCK_G, BLOCK_D, BLOCK_N, HAS_TAIL_MASK, PREC,
+        )  # fmt: skip
+    else:
+        p = pid - n_full_programs
+        split = p % n_mid_splits
+        bi = (p // n_mid_splits).to(tl.int64)
+        _mid_part(
+            Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, bi // n_nonzero, bi % n_nonzero, split,
+            sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
+            STARTS, SIZES, COUNTS,
+            mid_len, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale,
+            G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, PREC,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -393,9 +440,9 @@ def triton_decode_attention(
     full_split, s_full = _split_len(
         head_pad + t, splits or num_splits(head_pad + t, b * hkv, device, block_n), block_n
     )
-    min_hg = min((len(x) for x in groups.heads), default=0)
-    mid_split, s_mid = _split_len(n, splits or num_splits(n, b * max(1, min_hg), device, block_n), block_n)
-    if min_hg == 0:
+    n_nonzero = len(groups.nonzero_order)
+    mid_split, s_mid = _split_len(n, splits or num_splits(n, b * max(1, n_nonzero), device, block_n), block_n)
+    if n_nonzero == 0:
         s_mid = 0
     n_slots = max(1, s_full + s_mid)
 
@@ -406,46 +453,36 @@ def triton_decode_attention(
         out = torch.empty(b, 1, hq, d, dtype=query.dtype, device=device)
     q = query[:, :, 0]  # [B, Hq, D]
     keep = groups.keep.view(torch.uint8)
-    block_g = max(16, triton.next_power_of_2(g))
     block_d = max(16, triton.next_power_of_2(d))
-    prec = "ieee" if query.dtype == torch.float32 else None  # fp32: exact products, not TF32
-    qk_scale = float(scaling) * _LOG2E
-    # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)
-    stages = 2 if query.dtype == torch.float32 else NUM_STAGES
-    common = dict(
-        G=g,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        PREC=prec,
-        num_warps=NUM_WARPS,
-        num_stages=stages,
-    )
-
-    if s_full:
-        hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
-        tm = _row_mask(tail_mask, b, t)
-        _full_part_kernel[(b * hkv, s_full)](
+    hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
+    tm, mm = _row_mask(tail_mask, b, t), _row_mask(mid_mask, b, n)
+    if s_mid:
+        mk = tuple(k.contiguous() for k in mid_k)  # no-op for the cache's tensors; lets the kernel index them
+        mch = tuple(ch.contiguous() for ch in groups.channels)
+        sizes = tuple(len(x) for x in groups.heads)
+        counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), mid_v
+    else:  # no middle programs run: placeholders of the right types
+        mk, mch, sizes, counts, starts, mv = (tail_k,), (groups.nonzero_order,), (0,), (0,), (0,), tail_v
+    n_full_programs = b * hkv * s_full
+    grid = (n_full_programs + b * n_nonzero * s_mid,)
+    if grid[0]:  # else nothing is cached: the merge writes zeros
+        _partials_kernel[grid](
             q, head_k, head_v, tail_k, tail_v, keep, hf, hm, tm if tm is not None else hf,
-            acc, m_ws, l_ws,
+            mk, mch, mv, groups.nonzero_order, mm if mm is not None else hf, acc, m_ws, l_ws,
             *q.stride(), *head_k.stride(), *head_v.stride(), *tail_k.stride(), *tail_v.stride(),
             *keep.stride(), *hf.stride(), *hm.stride(), *(tm.stride() if tm is not None else (0, 0)),
-            h, head_pad, t, full_split, hkv, n_slots, qk_scale,
-            D=d, HAS_TAIL_MASK=tm is not None, **common,
+            *mv.stride(), *(mm.stride() if mm is not None else (0, 0)),
+            starts, sizes, counts,
+            h, head_pad, t, full_split, s_full, n_full_programs,
+            n, mid_split, s_mid, n_nonzero, hkv, n_slots, float(scaling) * _LOG2E,
+            G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
+            BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
+            NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
+            PREC="ieee" if query.dtype == torch.float32 else None,  # fp32: exact products, not TF32
+            num_warps=NUM_WARPS,
+            # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)
+            num_stages=2 if query.dtype == torch.float32 else NUM_STAGES,
         )  # fmt: skip
-    if s_mid:
-        mm = _row_mask(mid_mask, b, n)
-        for heads, channels, v_off, k in zip(
-            groups.heads, groups.channels, groups.v_offsets, mid_k, strict=True
-        ):
-            hg, c = channels.shape
-            _mid_part_kernel[(b * hg, s_mid)](
-                q, k, mid_v, heads, channels, mm if mm is not None else keep, acc, m_ws, l_ws,
-                *q.stride(), *k.stride(), *mid_v.stride(), *channels.stride(),
-                *(mm.stride() if mm is not None else (0, 0)),
-                n, mid_split, hg, v_off, hkv, n_slots, s_full, qk_scale,
-                C=c, D=d, BLOCK_C=max(16, triton.next_power_of_2(c)), HAS_MASK=mm is not None, **common,
-            )  # fmt: skip
     _merge_kernel[(b * hq,)](
         acc, m_ws, l_ws, keep, out,
         *keep.stride(), out.stride(0), out.stride(2), out.stride(3),

@@ -350,12 +350,12 @@ def build(fn, types, consts):
     compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
 
 for dt in ("fp16", "bf16"):
-    ws = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "qk_scale": "fp32"}
-    common = dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=td.BLOCK_N, PREC=None)
-    full = {n: "*" + dt for n in ("Q", "HK", "HV", "TK", "TV")} | {n: "*u8" for n in ("KEEP", "HFULL", "HMID", "TMASK")}
-    build(td._full_part_kernel, full | ws, common | dict(HAS_TAIL_MASK=True))
-    mid = {n: "*" + dt for n in ("Q", "K", "V")} | {"HEADS": "*i64", "CHANNELS": "*i64", "MMASK": "*u8"}
-    build(td._mid_part_kernel, mid | ws, common | dict(C=48, BLOCK_C=64, HAS_MASK=True))
+    ptrs = {n: "*" + dt for n in ("Q", "HK", "HV", "TK", "TV", "MV")}
+    ptrs |= {n: "*u8" for n in ("KEEP", "HFULL", "HMID", "TMASK", "MMASK")}
+    ptrs |= {"NZ": "*i64", "ACC": "*fp32", "M": "*fp32", "L": "*fp32", "qk_scale": "fp32"}
+    ptrs |= {"MK": ("*" + dt,) * 3, "MCH": ("*i64",) * 3} | {n: ("i32",) * 3 for n in ("STARTS", "SIZES", "COUNTS")}
+    consts = dict(G=4, D=128, BLOCK_G=16, BLOCK_C=128, BLOCK_D=128, BLOCK_N=td.BLOCK_N, NUM_GROUPS=3, PREC=None)
+    build(td._partials_kernel, ptrs, consts | dict(HAS_TAIL_MASK=True, HAS_MID_MASK=True))
     merge = {"ACC": "*fp32", "M": "*fp32", "L": "*fp32", "KEEP": "*u8", "OUT": "*" + dt}
     build(td._merge_kernel, merge, dict(G=4, D=128, BLOCK_S=td.MERGE_BLOCK_S, BLOCK_D=128))
 print("OK")
