@@ -48,7 +48,7 @@ except ImportError:  # leank_infer must import without triton: the kernels below
 
         @staticmethod
         def jit(fn: Any = None, **_: Any) -> Any:
-            return fn
+            return fn if fn is not None else (lambda f: f)
 
     triton = tl = _NoTriton()  # type: ignore[assignment]
     HAS_TRITON = False
@@ -235,7 +235,15 @@ def _mid_part(
     )
 
 
-@triton.jit
+# Lengths and counts change from step to step: not specialised on (divisibility by 16, == 1), so
+# a generation does not recompile as they move; K/V strides and kept counts, which decide
+# vectorised loads, are.
+_VARYING = ["head_len", "head_pad", "tail_len", "full_split_len", "n_full_splits", "n_full_programs"]
+_VARYING += ["mid_len", "mid_split_len", "n_mid_splits", "n_nonzero", "n_slots"]
+_VARYING += ["shf_b", "shm_b", "stm_b", "smm_b"]  # row strides of masks sliced from the model's growing mask
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _partials_kernel(
     Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, MK, MCH, MV, NZ, MMASK, ACC, M, L,
     sq_b, sq_h, sq_d,
@@ -278,7 +286,7 @@ def _partials_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots", "n_full_slots", "n_mid_slots"])
 def _merge_kernel(
     ACC, M, L, KEEP, OUT,
     skeep_h, skeep_d, so_b, so_h, so_d,
