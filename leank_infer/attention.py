@@ -27,6 +27,7 @@ import torch
 
 ATTN_IMPLEMENTATION = "leank"
 _NEG_INF = float("-inf")
+_FLOOR = -1e30  # finite floor of running maxima: exp(-inf - floor) = 0, exp(floor - floor) = 1
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,13 @@ class ChannelGroups:
 
 
 def _partial(scores: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)) over the last axis of fp32 ``scores`` [B,h,G,Q,k]; v: [B,h,k,D]."""
+    """(sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)) over the last axis of fp32 ``scores`` [B,h,G,Q,k]; v: [B,h,k,D].
+
+    m is floored at a finite value, so a fully masked part gives l = 0 and merges with weight 0.
+    """
     b, h, g, q, k = scores.shape
-    m = scores.amax(-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m_safe)
+    m = scores.amax(-1, keepdim=True).clamp_min_(_FLOOR)
+    p = scores.sub_(m).exp_()
     # one [G*Q, k] x [k, D] product per (row, head): no broadcast, so V is never copied
     acc = torch.matmul(p.to(value.dtype).view(b, h, g * q, k), value).float().view(b, h, g, q, -1)
     return acc, m, p.sum(-1, keepdim=True)
@@ -101,19 +104,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (read in place)."""
     b, h, g, q_len, c = q.shape
     s = torch.matmul(q.reshape(b, h, g * q_len, c), k.transpose(-1, -2))
-    return s.float().view(b, h, g, q_len, -1) * scaling
+    s = s.float() if s.dtype != torch.float32 else s
+    return s.view(b, h, g, q_len, -1).mul_(scaling)
 
 
 def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Log-sum-exp merge of two partial results (either may be fully masked: m = -inf, l = 0)."""
+    """Log-sum-exp merge of two partial results."""
     m = torch.maximum(a[1], b[1])
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(a[1] - m_safe), torch.exp(b[1] - m_safe)
+    wa, wb = (a[1] - m).exp_(), (b[1] - m).exp_()
     return a[0] * wa + b[0] * wb, m, a[2] * wa + b[2] * wb
 
 
 def _masked(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    return scores if allowed is None else scores.masked_fill(~allowed, _NEG_INF)
+    return scores if allowed is None else scores.masked_fill_(~allowed, _NEG_INF)
 
 
 def leank_decode_attention(
@@ -142,28 +145,43 @@ def leank_decode_attention(
             (disjoint; False = not attended: padding, or causally hidden).
         mid_mask, tail_mask: ``[B, Q, n]`` / ``[B, Q, t]`` bool or None (= all attended).
         scaling: the logit scale (1/sqrt(D) usually), applied without renormalisation.
+
+    Parts: head and tail together (all channels; their scores and V are concatenated, both are
+    short), then each kept-count group of the middle; merged by log-sum-exp.
     """
     b, hq, q_len, d = query.shape
     hkv = groups.num_kv_heads
     g = hq // hkv
     q5 = query.view(b, hkv, g, q_len, d)
-    shape = (b, hkv, g, q_len, 1)
-    acc = torch.zeros(b, hkv, g, q_len, d, dtype=torch.float32, device=query.device)
-    state = (acc, torch.full(shape, _NEG_INF, device=query.device), torch.zeros(shape, device=query.device))
 
+    scores, values = [], []
     if head_k.shape[2] > 0:
         keep = groups.keep.to(query.dtype).view(1, hkv, 1, 1, d)
         s_full = _scores(q5, head_k, scaling)
-        s_mid = _scores(q5 * keep, head_k, scaling)
-        mid = head_mid.unsqueeze(1).unsqueeze(1)  # [B,1,1,Q,H]
-        allowed = head_full.unsqueeze(1).unsqueeze(1) | (mid & groups.nonzero.view(1, hkv, 1, 1, 1))
-        scores = torch.where(mid, s_mid, s_full)
-        state = _merge(state, _partial(_masked(scores, allowed), head_v))
-
+        if head_mid.any():  # rows with left padding: their later head keys are middle keys
+            s_mid = _scores(q5 * keep, head_k, scaling)
+            mid = head_mid.unsqueeze(1).unsqueeze(1)  # [B,1,1,Q,H]
+            allowed = head_full.unsqueeze(1).unsqueeze(1) | (mid & groups.nonzero.view(1, hkv, 1, 1, 1))
+            s_full = torch.where(mid, s_mid, s_full)
+        else:
+            allowed = head_full.unsqueeze(1).unsqueeze(1)
+        scores.append(_masked(s_full, allowed))
+        values.append(head_v)
     if tail_k.shape[2] > 0:
-        scores = _scores(q5, tail_k, scaling)
         allowed = None if tail_mask is None else tail_mask.unsqueeze(1).unsqueeze(1)
-        state = _merge(state, _partial(_masked(scores, allowed), tail_v))
+        scores.append(_masked(_scores(q5, tail_k, scaling), allowed))
+        values.append(tail_v)
+    if not scores:  # nothing but (possibly) middle keys: start from an empty part
+        shape = (b, hkv, g, q_len, 1)
+        state = (
+            query.new_zeros(b, hkv, g, q_len, d, dtype=torch.float32),
+            query.new_full(shape, _FLOOR, dtype=torch.float32),
+            query.new_zeros(shape, dtype=torch.float32),
+        )
+    elif len(scores) == 1:
+        state = _partial(scores[0], values[0])
+    else:
+        state = _partial(torch.cat(scores, -1), torch.cat(values, 2))
 
     n = mid_k[0].shape[2] if len(mid_k) else 0
     if n > 0:
@@ -175,22 +193,18 @@ def leank_decode_attention(
             hg, c = channels.shape
             qg = q5.index_select(1, heads)
             qg = qg.gather(-1, channels.view(1, hg, 1, 1, c).expand(b, hg, g, q_len, c))
-            scores = _scores(qg, k, scaling)
-            parts.append(_partial(_masked(scores, allowed), mid_v[:, off : off + hg]))
+            parts.append(_partial(_masked(_scores(qg, k, scaling), allowed), mid_v[:, off : off + hg]))
         order = groups.nonzero_order
-        mid_state = (
-            state[0].new_zeros(state[0].shape).index_copy(1, order, torch.cat([p[0] for p in parts], 1)),
-            state[1]
-            .new_full(state[1].shape, _NEG_INF)
-            .index_copy(1, order, torch.cat([p[1] for p in parts], 1)),
-            state[2].new_zeros(state[2].shape).index_copy(1, order, torch.cat([p[2] for p in parts], 1)),
+        # back to KV-head order; heads without a middle part get an empty one (m = floor, l = 0)
+        fill = (0.0, _FLOOR, 0.0)
+        mid_state = tuple(
+            x.new_full(x.shape, f).index_copy_(1, order, torch.cat([p[i] for p in parts], 1))
+            for i, (x, f) in enumerate(zip(state, fill, strict=True))
         )
         state = _merge(state, mid_state)
 
     acc, _, denom = state
-    out = torch.where(
-        denom > 0, acc / denom.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(acc)
-    )
+    out = acc.div_(denom.clamp_min_(torch.finfo(torch.float32).tiny))  # l = 0 only where acc = 0
     return out.view(b, hq, q_len, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
@@ -283,16 +297,7 @@ def leank_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q_len = query.shape[2]
-    masks = decode_masks(
-        attention_mask,
-        layer.starts,
-        layer.sink_size,
-        layer.recent_start,
-        layer.head_len,
-        layer.mid_len,
-        layer.get_seq_length(),
-        q_len,
-    )
+    masks = layer.decode_masks(attention_mask, q_len)
     out = leank_decode_attention(
         query,
         layer.head_k,

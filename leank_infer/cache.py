@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ATTN_IMPLEMENTATION, ChannelGroups
+from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
 from .mask import ChannelMask
 
 
@@ -53,9 +53,17 @@ class LeanKLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(
-        self, keep: torch.Tensor, sink_size: int, recent_size: int, accumu_size: int, config: Any = None
+        self,
+        keep: torch.Tensor,
+        sink_size: int,
+        recent_size: int,
+        accumu_size: int,
+        config: Any = None,
+        shared: dict | None = None,
     ):
         super().__init__()
+        # all layers of a cache hold the same token layout: they share the decode masks of a step
+        self._shared = {} if shared is None else shared
         self.groups = ChannelGroups.from_keep(keep)
         self.sink_size, self.recent_size, self.accumu_size = sink_size, recent_size, accumu_size
         self._config = config
@@ -181,10 +189,29 @@ class LeanKLayer(CacheLayerMixin):
         start = (t - 1 - pos.reshape(-1, t)[:, -1].to(self.device).long()).clamp(0, t - 1)
         return start.expand(b).contiguous()
 
+    def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> dict[str, torch.Tensor | None]:
+        """Region masks of this step (see :func:`~leank_infer.attention.decode_masks`), built once per step."""
+        key = (self.length, q_len, self.head_len, self.mid_len, self.recent_start)
+        memo = self._shared
+        if memo.get("key") != key or memo.get("mask") is not attention_mask:
+            masks = decode_masks(
+                attention_mask,
+                self.starts,
+                self.sink_size,
+                self.recent_start,
+                self.head_len,
+                self.mid_len,
+                self.length,
+                q_len,
+            )
+            memo.update(key=key, mask=attention_mask, masks=masks)
+        return memo["masks"]
+
     def finish_prefill(self, starts: torch.Tensor) -> None:
         """Split the prefill K/V into head / compressed middle / tail, given each row's first real token."""
         k, v = self._pending
         self._pending = self._prefill_positions = None
+        self._shared.clear()
         t = k.shape[2]
         self.starts = starts.to(self.device).long()
         self.head_target = int(self.starts.max()) + self.sink_size
@@ -231,6 +258,7 @@ class LeanKLayer(CacheLayerMixin):
 
     # ---- generate() hooks ----------------------------------------------------------------------
     def _map_batch(self, fn: Any) -> None:
+        self._shared.clear()
         if not self.is_initialized:
             return
         if self._pending is not None:
@@ -277,6 +305,7 @@ class LeanKLayer(CacheLayerMixin):
         self.length -= n
 
     def reset(self) -> None:
+        self._shared.clear()
         self._clear()
 
     def offload(self) -> None:  # the base class offloads .keys/.values, which this layer does not have
@@ -296,8 +325,9 @@ class LeanKCache(Cache):
     def __init__(self, mask: ChannelMask, config: Any = None):
         if config is not None:
             mask.validate(config)
+        shared: dict = {}
         layers = [
-            LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config=config)
+            LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared)
             for i in range(mask.num_layers)
         ]
         super().__init__(layers=layers)
