@@ -83,7 +83,6 @@ class LeanKModel:
         """An empty LeanK cache for this model (one per generation / conversation)."""
         return LeanKCache(self.mask, config=self.model.config)
 
-    @torch.inference_mode()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate`` with a fresh LeanK cache unless one is passed (``cache=``/``past_key_values=``)."""
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:

@@ -74,6 +74,20 @@ def test_full_mask_generate_equals_hf(family):
     assert cache.region_lengths()["middle"] > 40 - 4 - 8  # the accumulation buffer was compressed too
 
 
+@pytest.mark.parametrize(
+    "family,window",
+    [("mistral", dict(sliding_window=16)), ("qwen2", dict(use_sliding_window=True, sliding_window=16))],
+)
+def test_sliding_window_layers_follow_the_model_mask(family, window):
+    """Sliding-window layers get their window from the model's mask (the LeanK cache keeps every token)."""
+    model = tiny_model(family, max_window_layers=1, **window)
+    ids = prompt(40, seed=9)
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    want = hf_generate(model, ids, **kw)
+    got = LeanKModel(model, full_mask()).generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(got, want)
+
+
 def test_sampling_chunked_prefill_and_beams_equal_hf():
     model = tiny_model("qwen2")
     ids = prompt(37, seed=1)
