@@ -41,8 +41,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 class _Run:
     """Feeds random q/k/v through one LeanKLayer and the leank attention function, keeping the full K/V."""
 
-    def __init__(self, keep: torch.Tensor, lengths: list[int], seed: int = 0):
+    def __init__(
+        self, keep: torch.Tensor, lengths: list[int], seed: int = 0, dtype: torch.dtype = torch.float32
+    ):
         self.gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
         self.keep = keep
         self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU)
         t0 = max(lengths)
@@ -54,7 +57,7 @@ class _Run:
 
     def _rand(self, q_len: int):
         b = self.pad.shape[0]
-        r = lambda h: torch.randn(b, h, q_len, D, generator=self.gen)  # noqa: E731
+        r = lambda h: torch.randn(b, h, q_len, D, generator=self.gen).to(self.dtype)  # noqa: E731
         return r(HKV * GROUPS), r(HKV), r(HKV)
 
     def step(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -79,17 +82,18 @@ class _Run:
         self.q = q
         return out, mask
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, upcast: bool = False) -> torch.Tensor:
         """The dense LeanK rule per new query, with the recent boundary at the cache's ``recent_start``."""
         total, q_len = self.k.shape[2], self.q.shape[2]
+        cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
         outs = []
         for i in range(q_len):
             p = total - q_len + i
             outs.append(
                 leank_attention(
-                    self.q[:, :, i : i + 1],
-                    self.k[:, :, : p + 1],
-                    self.v[:, :, : p + 1],
+                    cast(self.q[:, :, i : i + 1]),
+                    cast(self.k[:, :, : p + 1]),
+                    cast(self.v[:, :, : p + 1]),
                     self.keep.float(),
                     torch.tensor([p]),
                     SINK,
@@ -115,6 +119,18 @@ def test_decode_equals_dense_leank_rule(lengths):
         assert _rel_err(out, run.reference()) < 1e-5
         mids.add(run.layer.mid_len)
     assert len(mids) >= 3, "the accumulation buffer never moved tokens to the middle"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_half_precision_stays_close_to_the_fp32_rule(dtype, tol):
+    """Caches in half precision: fp32 softmax and merging keep the result within the dtype's rounding."""
+    run = _Run(_keep(), [25, 18], dtype=dtype)
+    run.step(25)
+    for q_len in [1] * 6 + [2, 1]:
+        out, _ = run.step(q_len)
+        assert out.dtype == dtype
+        want = run.reference(upcast=True)
+        assert _rel_err(out.float(), want) < tol
 
 
 def test_zero_heads_skip_their_middle_keys():
