@@ -88,6 +88,23 @@ def test_sliding_window_layers_follow_the_model_mask(family, window):
     assert torch.equal(got, want)
 
 
+def test_cache_reused_across_generate_calls_equals_hf():
+    """A second turn on the same cache feeds only the new tokens, on top of the compressed middle."""
+    model = tiny_model("llama")
+    ids = prompt(30, seed=1)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    dense = DynamicCache(config=model.config)
+    first = hf_generate(model, ids, cache=dense, **kw)
+    turn2 = torch.cat([first, prompt(7, seed=2)], 1)
+    second = hf_generate(model, turn2, cache=dense, **kw)
+    lk = LeanKModel(model, full_mask())
+    cache = lk.new_cache()
+    assert torch.equal(lk.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw), first)
+    middle = cache.region_lengths()["middle"]
+    assert torch.equal(lk.generate(turn2, attention_mask=torch.ones_like(turn2), cache=cache, **kw), second)
+    assert cache.region_lengths()["middle"] > middle
+
+
 def test_sampling_chunked_prefill_and_beams_equal_hf():
     model = tiny_model("qwen2")
     ids = prompt(37, seed=1)
