@@ -6,7 +6,8 @@ Per layer, in padded (left-padding) coordinates ``[0, T)``:
   (with left padding a row's later head tokens are middle tokens *for that row*; the attention
   scores them with the kept channels only, which is cheap as the head is small),
 - middle ``[H, M)``: K keeps only the masked channels, one dense tensor per group of KV heads with
-  equal kept count; V only for heads that keep any channel,
+  equal kept count (stored transposed, ``[B, Hg, c, n]``, so q @ K^T reads keys contiguously;
+  ``mid_k`` gives ``[B, Hg, n, c]`` views); V only for heads that keep any channel,
 - tail ``[M, T)``, all channels: the recent tokens, new tokens are appended here.
 
 ``recent_start`` (R) is where the full recent part begins for the LeanK rule: keys in
