@@ -9,8 +9,10 @@ of the new queries over three parts of a :class:`~leank_infer.cache.LeanKLayer`,
   kept channels; V only for heads that keep any channel),
 - the full *tail* (recent tokens and the new ones),
 
-each part giving (unnormalised output, running max, sum of exps), merged with log-sum-exp as in
-flash-decoding. A Triton kernel can replace this one function without touching the glue.
+head and tail form one part (both are short: their scores and V are concatenated), each kept-count
+group of the middle another; every part gives (unnormalised output, running max, sum of exps) and
+the parts are merged with log-sum-exp as in flash-decoding. A Triton kernel can replace this one
+function without touching the glue (``leank_attention_forward`` is the only caller).
 
 ``leank_attention_forward`` is registered as attention implementation ``"leank"``: with no LeanK
 cache layer in its kwargs, or at prefill, it is transformers' SDPA; otherwise it decodes over the
