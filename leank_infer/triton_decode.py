@@ -29,29 +29,50 @@ the load. Not supported, and sent to the PyTorch path: ``q_len > 1`` (prefill-li
 speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim.
 """
 
+from __future__ import annotations  # kernel annotations stay strings ("tl.constexpr"): triton reads them so
+
 import functools
+import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+triton: Any = None  # the triton modules, bound by _load_triton() at the first launch
+tl: Any = None
+_JIT_OPTIONS: dict[str, dict[str, Any]] = {}
 
-    HAS_TRITON = True
-except ImportError:  # leank_infer must import without triton: the kernels below are then never launched
 
-    class _NoTriton:
-        constexpr = None
+def _jit(fn: Callable | None = None, **options: Any) -> Any:
+    """``triton.jit``, applied at the first launch rather than at import.
 
-        @staticmethod
-        def jit(fn: Any = None, **_: Any) -> Any:
-            return fn if fn is not None else (lambda f: f)
+    Importing this module (as ``leank_infer.attention`` does) then never imports triton: no cost on
+    CPU-only runs, nothing to fail without triton, and ``TRITON_INTERPRET`` is read when the kernels
+    are first needed, not when some earlier import happened to load this file.
+    """
 
-    triton = tl = _NoTriton()  # type: ignore[assignment]
-    HAS_TRITON = False
+    def mark(f: Callable) -> Callable:
+        _JIT_OPTIONS[f.__name__] = options
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def _load_triton() -> None:
+    """Import triton and replace every ``@_jit`` function of this module by its ``triton.jit`` form."""
+    global triton, tl
+    if tl is not None:
+        return
+    import triton as triton_mod
+    import triton.language as tl_mod
+
+    names = globals()
+    for name, options in _JIT_OPTIONS.items():
+        names[name] = triton_mod.jit(names[name], **options)
+    triton, tl = triton_mod, tl_mod
+
 
 BACKENDS = ("torch", "triton", "auto")
 BLOCK_N = 64  # keys per tile; every split covers a multiple of it
@@ -66,7 +87,7 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _online_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
     """One flash-attention step, base 2: fold scores ``s`` [BG, BN] (fp32, -inf = masked) and ``v`` [BN, BD]."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,7 +99,7 @@ def _online_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit
+@_jit
 def _store_partial(
     ACC, M, L, acc, m_i, l_i, bh, slot, n_slots, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr
 ):
@@ -90,7 +111,7 @@ def _store_partial(
     tl.store(ACC + rows[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & (offs_d[None, :] < D))
 
 
-@triton.jit
+@_jit
 def _full_part(
     Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L, b, kvh, split,
     sq_b, sq_h, sq_d,
@@ -167,7 +188,7 @@ def _full_part(
     _store_partial(ACC, M, L, acc, m_i, l_i, b * n_kv_heads + kvh, split, n_slots, offs_g, offs_d, G, D)
 
 
-@triton.jit
+@_jit
 def _mid_part(
     Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, b, i, split,
     sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
@@ -243,7 +264,7 @@ _VARYING += ["mid_len", "mid_split_len", "n_mid_splits", "n_nonzero", "n_slots"]
 _VARYING += ["shf_b", "shm_b", "stm_b", "smm_b"]  # row strides of masks sliced from the model's growing mask
 
 
-@triton.jit(do_not_specialize=_VARYING)
+@_jit(do_not_specialize=_VARYING)
 def _partials_kernel(
     Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, MK, MCH, MV, NZ, MMASK, ACC, M, L,
     sq_b, sq_h, sq_d,
@@ -286,7 +307,7 @@ def _partials_kernel(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["n_slots", "n_full_slots", "n_mid_slots"])
+@_jit(do_not_specialize=["n_slots", "n_full_slots", "n_mid_slots"])
 def _merge_kernel(
     ACC, M, L, KEEP, OUT,
     skeep_h, skeep_d, so_b, so_h, so_d,
@@ -339,8 +360,12 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def kernels_interpreted() -> bool:
-    """True when the kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return HAS_TRITON and type(_merge_kernel).__name__ == "InterpretedFunction"
+    """True when the kernels run on triton's CPU interpreter (``TRITON_INTERPRET=1`` when first built)."""
+    if not HAS_TRITON:
+        return False
+    if tl is None:  # not built yet: they will follow the variable
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return type(_merge_kernel).__name__ == "InterpretedFunction"
 
 
 @functools.cache
@@ -436,6 +461,7 @@ def triton_decode_attention(
             "importing leank_infer.triton_decode to run it on the CPU interpreter, or use backend='torch'"
         )
 
+    _load_triton()
     b, hq, _, d = query.shape
     hkv = groups.num_kv_heads
     if hq % hkv:
