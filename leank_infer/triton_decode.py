@@ -48,7 +48,7 @@ _JIT_OPTIONS: dict[str, dict[str, Any]] = {}
 def _jit(fn: Callable | None = None, **options: Any) -> Any:
     """``triton.jit``, applied at the first launch rather than at import.
 
-    Importing this module (as ``leank_infer.attention`` does) then never imports triton: no cost on
+    Importing this module (``leank_infer.attention`` may, at its top) never imports triton: no cost on
     CPU-only runs, nothing to fail without triton, and ``TRITON_INTERPRET`` is read when the kernels
     are first needed, not when some earlier import happened to load this file.
     """
