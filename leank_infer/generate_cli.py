@@ -58,12 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from .cache import dynamic_cache_bytes
+    from .loading import BaseModelError
     from .mask import MaskError
     from .model import LeanKModel
 
     try:
         lk = LeanKModel.from_pretrained(args.mask, revision=args.revision, dtype=DTYPES[args.dtype])
-    except MaskError as e:
+    except (MaskError, BaseModelError) as e:
         print(f"leank generate: error: {e}", file=sys.stderr)
         return 2
     tok = lk.tokenizer

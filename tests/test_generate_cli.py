@@ -53,3 +53,12 @@ def test_empty_prompt_is_one_clear_error(tmp_path, capsys):
     assert main([str(mask_dir), "--prompt", "   "]) == 2
     err = capsys.readouterr().err
     assert "prompt is empty" in err and "Traceback" not in err
+
+
+def test_unloadable_base_model_is_one_clear_error(tmp_path, capsys):
+    mask = random_mask()
+    mask.base_model = str(tmp_path / "missing-model")
+    mask.save_pretrained(tmp_path / "mask")
+    assert main([str(tmp_path / "mask"), "--prompt", "w5"]) == 2
+    err = capsys.readouterr().err
+    assert "missing-model" in err and "Traceback" not in err
