@@ -237,3 +237,16 @@ def test_cache_refuses_other_attention_implementations(family):
         model(ids, cache=cache)
         with pytest.raises(RuntimeError, match="attn_implementation='leank'"):
             model(ids[:, :1], cache=cache)
+
+
+def test_row_starts_fall_back_to_position_ids():
+    """If the prefill was attended by another implementation, row starts come from generate's position ids."""
+    layer = LeanKLayer(_keep(), SINK, RECENT, ACCUMU)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 1, 2, 3, 4, 5]])  # row 1: 4 pads
+    k, v = torch.randn(2, HKV, 10, D), torch.randn(2, HKV, 10, D)
+    layer.update(k, v, kwargs={"position_ids": pos})
+    assert layer.prefill_pending
+    layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
+    assert not layer.prefill_pending
+    assert layer.starts.tolist() == [0, 4]
+    assert layer.head_len == 4 + SINK
