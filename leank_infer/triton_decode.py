@@ -457,8 +457,8 @@ def triton_decode_attention(
         raise RuntimeError("triton_decode_attention needs triton (pip install triton); use backend='torch'")
     if query.device.type != "cuda" and not kernels_interpreted():
         raise RuntimeError(
-            f"the Triton kernel needs CUDA tensors (got {query.device}); set TRITON_INTERPRET=1 before "
-            "importing leank_infer.triton_decode to run it on the CPU interpreter, or use backend='torch'"
+            f"the Triton kernel needs CUDA tensors (got {query.device}); for triton's CPU interpreter set "
+            "TRITON_INTERPRET=1 before triton is first imported, or use backend='torch'"
         )
 
     _load_triton()
@@ -554,8 +554,8 @@ def decode_attention(*args: Any, backend: str | None = None, **kwargs: Any) -> t
         raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
     if not query.is_cuda and not kernels_interpreted():
         raise RuntimeError(
-            f"backend='triton' needs CUDA tensors, got {query.device} (or TRITON_INTERPRET=1 set before "
-            "importing leank_infer.triton_decode, for the CPU interpreter)"
+            f"backend='triton' needs CUDA tensors, got {query.device} (or, for triton's CPU interpreter, "
+            "TRITON_INTERPRET=1 set before triton is first imported)"
         )
     return triton_decode_attention(*args, **kwargs)
 
