@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .triton_decode import decode_attention
+
 ATTN_IMPLEMENTATION = "leank"
 _NEG_INF = float("-inf")
 _FLOOR = -1e30  # finite floor of running maxima: exp(-inf - floor) = 0, exp(floor - floor) = 1
@@ -300,7 +302,7 @@ def leank_attention_forward(
         scaling = query.shape[-1] ** -0.5
     q_len = query.shape[2]
     masks = layer.decode_masks(attention_mask, q_len)
-    out = leank_decode_attention(
+    out = decode_attention(
         query,
         layer.head_k,
         layer.head_v,

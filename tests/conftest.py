@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter; set it before anything imports triton
+# (importing torch does not, transformers does).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
