@@ -15,6 +15,8 @@ from leank_train.data import NeedleDataModule, load_tokenizer
 from leank_train.export import ExportMask
 from leank_train.module import LeanKDistillation
 
+# the frozen base model is in eval mode on purpose
+pytestmark = pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
 
 @pytest.fixture(scope="module")
 def datamodule() -> NeedleDataModule:

@@ -8,6 +8,9 @@ import pytest
 
 from leank_infer.mask import ChannelMask
 
+# the frozen base model is in eval mode on purpose
+pytestmark = pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
+
 RECIPE = Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml"
 
 
