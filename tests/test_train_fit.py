@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -59,7 +60,7 @@ def test_three_step_fit_trains_only_alpha(family, datamodule, tmp_path):
     for k, v in module.llm.state_dict().items():
         assert torch.equal(v, frozen[k]), k
 
-    rows = list(csv.DictReader(open(trainer.logger.log_dir + "/metrics.csv")))
+    rows = list(csv.DictReader(Path(trainer.logger.log_dir, "metrics.csv").read_text().splitlines()))
     logged = {k for row in rows for k, v in row.items() if v != ""}
     for key in ("train/distill_loss", "train/reg_loss", "train/alpha_mean", "train/alpha_below_0.1",
                 "train/k_kept_fraction", "train/zero_heads"):
