@@ -108,6 +108,16 @@ def plot_pattern(mask: ChannelMask, path: str | Path) -> Path:
     return out
 
 
+def results_table(eval_results: list[dict[str, Any]]) -> str:
+    """A markdown table: one row per metric, one column per dataset (e.g. methods x context lengths)."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in eval_results))
+    metrics = list(dict.fromkeys(r.get("metric", "accuracy") for r in eval_results))
+    cell = {(r.get("metric", "accuracy"), r["dataset"]): f"{r['value']:.3f}" for r in eval_results}
+    lines = ["| metric | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+    lines += [f"| {m} | " + " | ".join(cell.get((m, d), "") for d in datasets) + " |" for m in metrics]
+    return "\n".join(lines)
+
+
 def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] | None = None):
     """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys."""
     import torch
@@ -132,9 +142,8 @@ def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] 
             )
             for r in eval_results
         ]
-        rows = "\n".join(f"| {r['dataset']} | {r.get('metric', 'accuracy')} | {r['value']:.3f} |" for r in eval_results)
         cmd = eval_results[0].get("command", "leank eval " + repo)
-        results_md = f"## Results\n\n`{cmd}`\n\n| dataset | metric | value |\n|---|---|---|\n{rows}\n\n"
+        results_md = f"## Results\n\n`{cmd}`\n\n{results_table(eval_results)}\n\n"
     data = ModelCardData(
         base_model=mask.base_model,
         library_name="leank",

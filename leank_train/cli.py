@@ -23,6 +23,7 @@ import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from .data import NeedleDataModule
+from .evaluate import EvalSettings
 from .export import ExportMask
 from .module import LeanKDistillation
 
@@ -36,6 +37,9 @@ class LeanKCLI(LightningCLI):
         parser.add_lightning_class_args(ExportMask, "export")
         parser.add_argument("--stage1", type=dict | None, default=None, help="stage-1 overrides (see --stage)")
         parser.add_argument("--stage2", type=dict | None, default=None, help="stage-2 overrides (see --stage)")
+        # used by `leank run` after stage 2 (a plain `fit` ignores them)
+        parser.add_class_arguments(EvalSettings, "evaluate")
+        parser.add_argument("--push_to_hub", type=str | None, default=None, help="Hub repo id to push the mask to")
         # the data needs the model's tokenizer: say the base model once
         parser.link_arguments("model.base_model", "data.base_model")
         parser.link_arguments("model.revision", "data.revision")

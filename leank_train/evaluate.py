@@ -20,7 +20,7 @@ import json
 import random
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
+from leank_infer.card import write_model_card
 
 KINDS = ("passkey", "multikey", "multivalue")
 METHODS = ("full", "leank", "random", "think")
@@ -168,6 +169,43 @@ def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: i
     return _with_keep(mask, keep)
 
 
+@dataclass
+class EvalSettings:
+    """What ``leank run`` evaluates after stage 2 (the recipe's ``evaluate:`` section)."""
+
+    #: run the evaluation and put its table in the model card
+    enabled: bool = True
+    #: prompt lengths in tokens
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    #: probes per length (the kinds alternate)
+    samples: int = 6
+    #: full model, the learned mask, and the two baselines at the same K budget
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    #: seed of the probes
+    seed: int = 1234
+    #: also measure the next-token KL(full || LeanK) on held-out text
+    kl: bool = True
+
+    def command(self, mask: str) -> str:
+        """The ``leank eval`` command that reproduces these figures."""
+        cmd = (f"leank eval {mask} --lengths {' '.join(map(str, self.lengths))} --samples {self.samples}"
+               f" --methods {' '.join(self.methods)} --seed {self.seed}")
+        return cmd if self.kl else cmd + " --no-kl"
+
+
+def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
+    """Evaluation results in the shape ``leank_infer.card.build_card`` puts in the model index."""
+    rows = []
+    for method, by_length in results["accuracy"].items():
+        for length, value in sorted(by_length.items()):
+            rows.append({"dataset": f"unseen needles, {length} tokens", "metric": f"accuracy ({method})",
+                         "value": value, "command": command})
+    if "next_token_kl" in results:
+        rows.append({"dataset": "held-out stdlib docstrings, 1024 + 32 tokens", "metric": "next-token KL (nats)",
+                     "metric_type": "kl_divergence", "value": results["next_token_kl"], "command": command})
+    return rows
+
+
 class RetrievalEval(L.LightningModule):
     """Answers every probe with each method; accuracy per (method, length) as torchmetrics."""
 
@@ -295,12 +333,16 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-kl", action="store_true", help="skip the next-token KL measurement")
     p.add_argument("--json", type=Path, default=None, help="write results (with every answer) to this file")
+    p.add_argument("--card", action="store_true", help="rewrite the mask folder's model card with these results")
     args = p.parse_args(argv)
     from leank_infer import LeanKModel
 
     lm = LeanKModel.from_pretrained(args.mask, revision=args.revision)
     res = evaluate(lm, args.lengths, args.samples, args.kinds, args.methods, args.seed, kl=not args.no_kl)
     cmd = "leank eval " + " ".join(argv)
+    if args.card:
+        settings = EvalSettings(True, args.lengths, args.samples, args.methods, args.seed, not args.no_kl)
+        write_model_card(args.mask, card_results(res, settings.command(args.mask)))
     print(f"\n`{cmd}`\n")
     print(format_table(res))
     if args.json:

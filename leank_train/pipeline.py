@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from leank_infer.mask import ChannelMask
 
 from .cli import run_cli
+from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
 
 
@@ -81,7 +82,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  mask repo          {out_dir}",
         flush=True,
     )
+    cfg = stage2.config["fit"] if "fit" in stage2.config else stage2.config
+    settings = EvalSettings(**vars(cfg.evaluate))
+    if settings.enabled:
+        _evaluate_into_card(out_dir, settings)
+    if cfg.push_to_hub:
+        info = ChannelMask.from_dir(out_dir).push_to_hub(cfg.push_to_hub, folder=out_dir)
+        print(f"[leank run] pushed to {info}", flush=True)
     return 0
+
+
+def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
+    """``leank eval`` on the exported mask; its table goes into the model card, with the command."""
+    from leank_infer import LeanKModel
+    from leank_infer.card import write_model_card
+
+    start = time.perf_counter()
+    lm = LeanKModel.from_pretrained(out_dir)
+    res = evaluate(lm, settings.lengths, settings.samples, methods=settings.methods, seed=settings.seed,
+                   kl=settings.kl)
+    command = settings.command(out_dir)
+    write_model_card(out_dir, card_results(res, command))
+    print(f"[leank run] evaluation ({time.perf_counter() - start:.0f} s): `{command}`\n{format_table(res)}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
         "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
         "--data.num_samples", "2", "--data.min_length", "300", "--data.max_length", "400",
         "--stage1.export.dirpath", str(tmp_path / "stage1"), "--stage2.export.dirpath", str(tmp_path / "final"),
+        # a small evaluation: one short probe, the full model and the mask, no KL
+        "--evaluate.lengths", "[300]", "--evaluate.samples", "1", "--evaluate.methods", "[full, leank]",
+        "--evaluate.kl", "false",
     ]
     assert main(["run", str(RECIPE), *overrides]) == 0
     out = capsys.readouterr().out
@@ -34,3 +37,12 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
     assert mask.recipe == RECIPE.read_text()
     assert mask.extra["training"]["stage"] == 2 and mask.extra["training"]["steps"] == 2
     assert abs(mask.stats()["k_kept_fraction"] - 0.3) < 0.1
+    # the evaluation went into the model card, with the command that reproduces it
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "final" / "README.md")
+    results = card.data.to_dict()["model-index"][0]["results"]
+    metrics = {m["name"] for r in results for m in r["metrics"]}
+    assert metrics == {"accuracy (full)", "accuracy (leank)"}
+    assert f"leank eval {tmp_path / 'final'} --lengths 300 --samples 1 --methods full leank" in card.text
+    assert "leank eval" in out and "| leank |" in out
