@@ -17,7 +17,7 @@ import torch
 from . import attention as _attention
 from .cache import LeanKCache
 from .loading import load_base_model
-from .mask import ChannelMask
+from .mask import ChannelMask, MaskError
 
 
 def _same_model_id(a: str | None, b: str | None) -> bool:
@@ -53,13 +53,15 @@ class LeanKModel:
         revision: str | None = None,
         model: Any = None,
         tokenizer: Any = None,
+        check_base_model: bool = True,
         **hf_kwargs: Any,
     ) -> LeanKModel:
         """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
 
-        With ``model=`` given, that model is used as is: its shape must fit the mask (else
-        ``MaskError``); if its name differs from the mask's ``base_model`` only a warning is
-        issued, since passing a model explicitly (a fine-tune, a local copy) is a deliberate choice.
+        With ``model=`` given, that model is used as is: its shape must fit the mask, and its Hub
+        id must be the mask's ``base_model`` (else ``MaskError``, before the model is touched).
+        A fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which
+        turns the name check into a warning.
         """
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
@@ -71,11 +73,10 @@ class LeanKModel:
             mask.validate(model.config)
             name = getattr(model.config, "_name_or_path", None)
             if not _same_model_id(mask.base_model, name):
-                warnings.warn(
-                    f"the mask was trained for {mask.base_model!r} but the given model is {name!r}; "
-                    "shapes fit, so it is used as requested",
-                    stacklevel=2,
-                )
+                message = f"the mask was trained for {mask.base_model!r} but the given model is {name!r}"
+                if check_base_model:
+                    raise MaskError(f"{message} (pass check_base_model=False to use it anyway)")
+                warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
         return cls(model, mask, tokenizer)
 
     # ---- decoding ------------------------------------------------------------------------------

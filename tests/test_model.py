@@ -262,7 +262,7 @@ def test_from_pretrained_loads_base_model_and_tokenizer(tmp_path):
     assert out.shape == (1, 14 + 5)
 
 
-def test_from_pretrained_with_model_checks_shape_and_warns_on_name(tmp_path):
+def test_from_pretrained_with_model_checks_shape_and_base_model(tmp_path):
     mask_dir, _ = tiny_repo(tmp_path)
     other = tiny_model("llama", num_hidden_layers=3)
     with pytest.raises(MaskError):
@@ -272,8 +272,11 @@ def test_from_pretrained_with_model_checks_shape_and_warns_on_name(tmp_path):
     mask.save_pretrained(mask_dir)
     given = tiny_model("llama")
     given.config._name_or_path = "org/another-model"
+    with pytest.raises(MaskError, match="org/some-model.*org/another-model"):
+        LeanKModel.from_pretrained(mask_dir, model=given)
+    assert given.config._attn_implementation != "leank"  # refused before the model was touched
     with pytest.warns(UserWarning, match="org/some-model"):
-        lk = LeanKModel.from_pretrained(mask_dir, model=given)
+        lk = LeanKModel.from_pretrained(mask_dir, model=given, check_base_model=False)
     assert lk.model is given
 
 
