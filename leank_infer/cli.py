@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("leank_train.pipeline", "main", "run a recipe end to end: stage 1, stage 2, export, evaluate"),
     "fit": ("leank_train.cli", "main", "one training stage as a plain LightningCLI (fit --config ...)"),
     "eval": ("leank_train.evaluate", "main", "retrieval accuracy and next-token KL, full vs LeanK vs baselines"),
+    "bench": ("leank_infer.bench", "main", "decode latency, tokens/s and KV bytes, dense vs LeanK (or --estimate)"),
     "generate": ("leank_infer.generate_cli", "main", "answer a prompt dense vs LeanK, with KV bytes of each"),
     "push": ("leank_infer.hub_cli", "push_main", "upload a mask repo folder to the Hub in one commit"),
     "pull": ("leank_infer.hub_cli", "pull_main", "download a mask repo (revision pinning, Hub cache)"),

@@ -1,0 +1,193 @@
+"""``leank bench``: decode step latency, tokens/s and KV bytes, dense (HF generate, DynamicCache, SDPA) vs LeanK.
+
+Runs the mask's base model in one process. Each configuration runs plain ``model.generate`` on
+the same random prompt, once with a DynamicCache under SDPA and once with a LeanK cache (on CUDA
+the Triton kernel, on CPU the PyTorch path); a stopping criterion timestamps every step, so the
+decode step latency is the median gap between consecutive steps (prefill excluded). Example:
+
+    leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
+    leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+
+from .cache import dynamic_cache_bytes
+from .loading import load_base_model
+from .mask import ChannelMask, model_shape
+from .model import LeanKModel
+
+DEFAULT_MASK = Path("hub") / "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _StepClock(StoppingCriteria):
+    """Records a timestamp after every generation step; never stops anything."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _mask(path: str | None) -> tuple[ChannelMask | None, str]:
+    """The mask to benchmark: a folder or Hub id, else hub/smollm2-135m-instruct, else None (random, said so)."""
+    if path:
+        return ChannelMask.from_pretrained(path), f"mask {path}"
+    if (DEFAULT_MASK / "config.json").is_file():
+        return ChannelMask.from_pretrained(DEFAULT_MASK), f"trained mask {DEFAULT_MASK}"
+    return None, f"RANDOM mask (no {DEFAULT_MASK}): ratio 0.7, align 16, sink 16, recent 64, accumu 16"
+
+
+def _peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def estimate_main(model_id: str, ratio: float, zero_heads: float, dtype: torch.dtype) -> int:
+    """Print K/V bytes per token dense vs LeanK for ``model_id``'s config (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    from .estimate import estimate_kv_bytes
+
+    cfg = AutoConfig.from_pretrained(model_id)
+    e = estimate_kv_bytes(cfg, ratio=ratio, zero_head_fraction=zero_heads, dtype=dtype)
+    print(f"{model_id}: {e['layers']} layers ({e['global_layers']} global), {e['kv_heads']} KV heads x "
+          f"{e['head_dim']} channels, {e['dtype']}")
+    print(f"  KV bytes per token: dense {e['dense_bytes_per_token']:,}, LeanK {e['leank_bytes_per_token']:,} "
+          f"({e['ratio']:.3f} of dense) at ratio {ratio}, {zero_heads:.0%} zero-channel heads")
+    for ctx in (8192, 32768, 131072):
+        print(f"  {ctx:>6} tokens: dense {e['dense_bytes_per_token'] * ctx / 2**30:7.2f} GiB, "
+              f"LeanK {e['leank_bytes_per_token'] * ctx / 2**30:7.2f} GiB per sequence")
+    return 0
+
+
+def _run(model, ids: torch.Tensor, cache, new_tokens: int) -> dict[str, float]:
+    clock = _StepClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            pad_token_id=0,
+        )
+    gaps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    return {
+        "prefill_s": clock.times[0] - t0,
+        "step_ms": 1000 * statistics.median(gaps),
+        "tok_s": ids.shape[0] * len(gaps) / sum(gaps),
+    }
+
+
+def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("mask", nargs="?", default=None,
+                   help=f"mask folder or Hub id (default: {DEFAULT_MASK} if present, else a random mask)")
+    p.add_argument("--contexts", default="2048,4096,8192", help="comma-separated prompt lengths")
+    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (>= 3)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (LeanK then decodes with the Triton kernel)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per configuration, dense and LeanK alternating; the best is kept")
+    p.add_argument("--estimate", metavar="MODEL_ID", default=None,
+                   help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
+    p.add_argument("--ratio", type=float, default=0.7, help="with --estimate: fraction of K channels pruned")
+    p.add_argument("--zero-heads", type=float, default=0.0,
+                   help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if args.estimate:
+        return estimate_main(args.estimate, args.ratio, args.zero_heads, dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    new_tokens = max(3, args.new_tokens)
+
+    print(f"command: {prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
+    mask, where = _mask(args.mask)
+    if mask is None:
+        model, _ = load_base_model("embedded", dtype=dtype)
+        scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
+        mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
+    else:
+        model, _ = load_base_model(mask.base_model, mask.base_revision, mask.loader, dtype=dtype)
+    model.to(device)
+    stats = mask.stats(dtype=dtype)
+    print(
+        f"model: {mask.base_model or 'embedded SmolLM2-135M-Instruct'}, {str(dtype)[6:]} on {device}, "
+        f"torch threads {torch.get_num_threads()}, CPU load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+    )
+    print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}")
+    lk = LeanKModel(model, mask)
+    header = (
+        f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
+        f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8}"
+        + (f" | {'dense peak GiB':>14} {'LeanK peak GiB':>14}" if device.type == "cuda" else "")
+    )
+    print(header)
+    print("-" * len(header))
+    for ctx in contexts:
+        for batch in batches:
+            ids = torch.randint(
+                100, model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(ctx)
+            ).to(device)
+            dense = leank = None
+            peaks = {}
+            for _ in range(max(1, args.repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
+                model.set_attn_implementation("sdpa")
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                dense_cache = DynamicCache(config=model.config)
+                run = _run(model, ids, dense_cache, new_tokens)
+                peaks["dense"] = _peak(device)
+                dense = run if dense is None or run["step_ms"] < dense["step_ms"] else dense
+                dense_bytes = dynamic_cache_bytes(dense_cache)
+                del dense_cache
+                model.set_attn_implementation("leank")
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                leank_cache = lk.new_cache()
+                run = _run(model, ids, leank_cache, new_tokens)
+                peaks["leank"] = _peak(device)
+                leank = run if leank is None or run["step_ms"] < leank["step_ms"] else leank
+                leank_bytes = lk.kv_cache_bytes(leank_cache)
+                del leank_cache
+            print(
+                f"{ctx:>7} {batch:>5} | {dense['step_ms']:>13.1f} {leank['step_ms']:>13.1f} "
+                f"{dense['step_ms'] / leank['step_ms']:>6.2f}x | {dense['tok_s']:>11.1f} {leank['tok_s']:>11.1f} | "
+                f"{dense_bytes / 2**20:>12.1f} {leank_bytes / 2**20:>12.1f} {leank_bytes / dense_bytes:>8.3f}"
+                + (f" | {peaks['dense']:>14.2f} {peaks['leank']:>14.2f}" if device.type == "cuda" else ""),
+                flush=True,
+            )
+    print(
+        "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
