@@ -59,3 +59,21 @@ def test_card_refuses_a_folder_without_mask(tmp_path):
     with pytest.raises(MaskError, match="missing"):
         write_model_card(tmp_path)
     assert not (tmp_path / "README.md").exists()
+
+
+def test_card_usage_snippet_runs_as_written(tmp_path, capsys):
+    """The card's Python block, executed verbatim against a mask repo of a tiny model."""
+    import re
+
+    from test_model import tiny_repo
+
+    from leank_infer.card import write_model_card
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    write_model_card(mask_dir, repo=str(mask_dir))
+    text = (mask_dir / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert f'LeanKModel.from_pretrained("{mask_dir}")' in code
+    exec(compile(code, "card-usage", "exec"), {})
+    printed = capsys.readouterr().out.strip()
+    assert printed  # the snippet decoded and printed an answer
