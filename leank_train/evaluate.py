@@ -161,8 +161,8 @@ def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: i
     for layer, (q, k) in sorted(_PROBE.items()):
         b, hq, _, d = q.shape
         hkv = k.shape[1]
-        qn = q[:, :, -window:].float().reshape(b, hkv, hq // hkv, -1, d).norm(dim=(0, 2, 3))  # [Hkv, D]
-        kn = k.float().norm(dim=(0, 2))  # [Hkv, D]
+        qn = q[:, :, -window:].float().reshape(b, hkv, hq // hkv, -1, d).pow(2).sum(dim=(0, 2, 3)).sqrt()
+        kn = k.float().pow(2).sum(dim=(0, 2)).sqrt()  # column norms per KV head and channel: [Hkv, D]
         top = (qn * kn).topk(per_head, dim=-1).indices
         keep[layer].scatter_(-1, top.cpu(), True)
     _PROBE.clear()
@@ -287,15 +287,18 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
 
 def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, kinds: Sequence[str] = KINDS,
              methods: Sequence[str] = METHODS, seed: int = 1234, kl: bool = True,
-             max_new_tokens: int = 24) -> dict[str, Any]:
-    """Run the retrieval probes (and the KL) and return accuracy per method and length."""
+             max_new_tokens: int = 24, sentences: list[str] | None = None) -> dict[str, Any]:
+    """Run the retrieval probes (and the KL) and return accuracy per method and length.
+
+    ``sentences`` is the haystack (default: standard-library docstrings, see :func:`haystack_sentences`).
+    """
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     max_pos = getattr(lm.model.config, "max_position_embeddings", None)
     if max_pos and max(lengths) + max_new_tokens > max_pos:
         raise ValueError(f"length {max(lengths)} + {max_new_tokens} new tokens exceeds the model's {max_pos} positions")
-    sentences = haystack_sentences()
+    sentences = sentences or haystack_sentences()
     rng = random.Random(seed)
     probes = [make_probe(lm.tokenizer, kinds[i % len(kinds)], n, rng, sentences)
               for n in lengths for i in range(samples)]
