@@ -51,6 +51,15 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread is faster, and robust on a CPU shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

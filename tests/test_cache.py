@@ -14,14 +14,7 @@ from leank_infer.cache import LeanKCache, LeanKLayer
 from leank_infer.mask import ChannelMask
 from leank_infer.masked_attention import leank_attention
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and robust on a CPU shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HKV, GROUPS, D = 4, 2, 16

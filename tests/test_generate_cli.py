@@ -5,20 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from test_model import random_mask, tiny_repo
 
 from leank_infer import cli
 from leank_infer.generate_cli import main
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and robust on a CPU shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPT = " ".join(f"w{3 + (i * 7) % 120}" for i in range(40))

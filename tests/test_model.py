@@ -13,14 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 from leank_infer import ChannelMask, LeanKModel, MaskError
 from leank_infer.cache import LeanKCache, dynamic_cache_bytes
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and robust on a CPU shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SIZES = dict(sink_size=4, recent_size=8, accumu_size=4)
