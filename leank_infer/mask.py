@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+# Version 2 is written only for masks an older reader cannot honour (those naming a PEFT adapter: a
+# version-1 reader would load the bare base model and decode a model the mask was not learned on);
+# every other mask is still written as version 1. Both are read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MASK_FILE = "mask.safetensors"
 CONFIG_FILE = "config.json"
 REQUIRED_KEYS = (
@@ -59,12 +63,39 @@ def model_shape(model_config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, int(head_dim)
 
 
-def binarize(scores: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
+def dense_layers_of(model_config: Any) -> tuple[int, ...]:
+    """Layers LeanK leaves whole: the model's sliding-window (or chunked) attention layers.
+
+    Their cache is already bounded by the window and stays the model's own cache layer; LeanK
+    prunes only full (global) attention layers. Layer types come from transformers itself
+    (``get_layer_types_and_kwargs``: ``config.layer_types``, else ``sliding_window``).
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    types, _ = get_layer_types_and_kwargs(cfg)
+    return tuple(i for i, t in enumerate(types) if t != "full_attention")
+
+
+def _check_dense_layers(dense_layers: Any, num_layers: int) -> tuple[int, ...]:
+    """``dense_layers`` as a sorted tuple of distinct layer indices, or MaskError."""
+    if isinstance(dense_layers, (str, bytes)) or not hasattr(dense_layers, "__iter__"):
+        raise MaskError(f"dense_layers must be a list of layer indices, got {dense_layers!r}")
+    out = tuple(sorted(set(dense_layers)))
+    bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise MaskError(f"dense_layers must be layer indices in [0, {num_layers}), got {bad}")
+    return out
+
+
+def binarize(scores: torch.Tensor, ratio: float, align: int, dense_layers: Any = ()) -> torch.Tensor:
     """LeanK's binarisation (LEANK.md, stage 2): global quantile, per-head count rounded to ``align``, top-k.
 
     The threshold is the ``ratio``-quantile of all scores; a head keeps
     ``round(#scores above threshold / align) * align`` channels, namely its highest-scoring ones.
-    Ties are broken by channel index, so the result is deterministic.
+    Ties are broken by channel index, so the result is deterministic. ``dense_layers`` (sliding-window
+    layers) keep every channel and take no part in the quantile: ``ratio`` is the pruned fraction of
+    the layers LeanK prunes.
     """
     if scores.ndim != 3:
         raise MaskError(f"scores must be [layers, kv_heads, head_dim], got shape {tuple(scores.shape)}")
@@ -73,7 +104,11 @@ def binarize(scores: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
     s = scores.detach().float().cpu()
     if not torch.isfinite(s).all():
         raise MaskError("scores contain NaN or inf; cannot binarise")
-    flat = s.flatten().sort().values
+    dense = _check_dense_layers(dense_layers, s.shape[0])
+    pruned = [i for i in range(s.shape[0]) if i not in dense]
+    if not pruned:
+        raise MaskError("every layer is a dense (sliding-window) layer: LeanK has no global layer to prune")
+    flat = s[pruned].flatten().sort().values
     # quantile with linear interpolation, without torch.quantile's 16M-element limit
     pos = ratio * (flat.numel() - 1)
     lo = int(pos)
@@ -84,7 +119,9 @@ def binarize(scores: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(head_dim).expand_as(order).contiguous())
-    return rank < counts.unsqueeze(-1)
+    keep = rank < counts.unsqueeze(-1)
+    keep[list(dense)] = True
+    return keep
 
 
 @dataclass
@@ -108,6 +145,9 @@ class ChannelMask:
     loader: dict[str, Any] = field(default_factory=dict)
     recipe: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
+    adapter_revision: str | None = None
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, torch.Tensor) or self.keep.ndim != 3:
@@ -128,7 +168,7 @@ class ChannelMask:
                 raise MaskError("scores contain NaN or inf")
         if not isinstance(self.loader, dict):
             raise MaskError(f"loader must be a JSON object (dict), got {type(self.loader).__name__}")
-        for name in ("base_model", "base_revision", "recipe"):
+        for name in ("base_model", "base_revision", "recipe", "adapter", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
@@ -139,6 +179,12 @@ class ChannelMask:
                 raise MaskError(f"{name} must be a non-negative integer, got {value!r}")
         if self.accumu_size < 1:
             raise MaskError(f"accumu_size must be at least 1, got {self.accumu_size}")
+        if self.adapter_revision is not None and self.adapter is None:
+            raise MaskError("adapter_revision is set but adapter is not")
+        self.dense_layers = _check_dense_layers(self.dense_layers, self.num_layers)
+        partial = [i for i in self.dense_layers if not bool(self.keep[i].all())]
+        if partial:
+            raise MaskError(f"dense_layers {partial} must keep every channel (their cache is never pruned)")
 
     # ---- shape ---------------------------------------------------------------------------
     @property
@@ -162,7 +208,7 @@ class ChannelMask:
     @classmethod
     def from_scores(cls, scores: torch.Tensor, ratio: float = 0.7, align: int = 32, **meta: Any) -> ChannelMask:
         """Binarise learned scalers with LeanK's rule (see :func:`binarize`); ``meta`` fills the other fields."""
-        keep = binarize(scores, ratio, align)
+        keep = binarize(scores, ratio, align, meta.get("dense_layers", ()))
         return cls(keep=keep, scores=scores, ratio=float(ratio), align=int(align), **meta)
 
     @classmethod
@@ -228,10 +274,13 @@ class ChannelMask:
 
     # ---- files ------------------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:
+        """The ``config.json`` object; adapter and dense-layer fields appear only when set (old readers)."""
+        adapter = {"adapter": self.adapter, "adapter_revision": self.adapter_revision} if self.adapter else {}
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.adapter else 1,
             "base_model": self.base_model,
             "base_revision": self.base_revision,
+            **adapter,
             "loader": dict(self.loader),
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -241,6 +290,7 @@ class ChannelMask:
             "accumu_size": self.accumu_size,
             "ratio": self.ratio,
             "align": self.align,
+            **({"dense_layers": list(self.dense_layers)} if self.dense_layers else {}),
             "recipe": self.recipe,
             **({"extra": self.extra} if self.extra else {}),
         }
@@ -284,9 +334,9 @@ class ChannelMask:
         if not isinstance(cfg, dict):
             raise MaskError(f"{cfg_path} must hold a JSON object")
         version = cfg.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise MaskError(
-                f"{cfg_path}: unknown format_version {version!r} (this leank reads version {FORMAT_VERSION})"
+                f"{cfg_path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})"
             )
         missing = [k for k in REQUIRED_KEYS if k not in cfg]
         if missing:
@@ -317,6 +367,9 @@ class ChannelMask:
                 loader=cfg.get("loader") or {},
                 recipe=cfg.get("recipe"),
                 extra=cfg.get("extra") or {},
+                adapter=cfg.get("adapter"),
+                adapter_revision=cfg.get("adapter_revision"),
+                dense_layers=cfg.get("dense_layers") or (),
             )
         except MaskError as e:
             raise MaskError(f"{folder}: {e}") from None
