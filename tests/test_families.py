@@ -208,3 +208,145 @@ def test_dense_layers_round_trip_and_checks(tmp_path):
         ChannelMask(keep=mask.keep.clone().index_fill_(0, torch.tensor([1]), False), dense_layers=(1,), ratio=0.5, align=4)
     with pytest.raises(MaskError, match="layer indices"):
         ChannelMask(keep=mask.keep, dense_layers=(5,), ratio=0.5, align=4)
+
+
+# ---- training: every family, and a base model + PEFT adapter ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def datamodule():
+    from leank_train.data import NeedleDataModule, load_tokenizer
+
+    dm = NeedleDataModule(min_length=120, max_length=200, length_intervals=2, num_samples=3, seed=0)
+    dm.tokenizer = load_tokenizer("embedded")
+    dm.setup()
+    return dm
+
+
+def _fit(module, datamodule, tmp_path, steps: int = 2):
+    import lightning as L
+
+    from leank_train.export import ExportMask
+
+    export = ExportMask(dirpath=str(tmp_path / "mask"), recent_size=8, accumu_size=4)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, callbacks=[export], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == steps
+    return ChannelMask.from_dir(tmp_path / "mask")
+
+
+TRAIN = dict(sink_size=4, recent_size=8, align=4, ratio=0.5, lr=0.2, reg_weight=0.5, warmup_steps=1)
+
+
+@pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_train_export_and_decode(family, datamodule, tmp_path):
+    """A short fit learns alpha on the global layers only, exports a mask, and that mask decodes like the rule."""
+    from leank_train.module import LeanKDistillation
+
+    model = tiny_model(family, vocab_size=49152)  # the embedded tokenizer's vocabulary
+    module = LeanKDistillation.for_model(model, **TRAIN)
+    ids = prompt(90, seed=4)
+    teacher, student = module.hidden_states(ids, 80)  # alpha = 1: the student is the teacher
+    torch.testing.assert_close(student, teacher, atol=2e-5, rtol=1e-5)
+
+    mask = _fit(module, datamodule, tmp_path)
+    dense = dense_layers_of(model.config)
+    alpha = module.alpha.detach()
+    pruned = [i for i in range(alpha.shape[0]) if i not in dense]
+    assert bool((alpha[list(dense)] == 1).all()) and bool((alpha[pruned] < 1).any())
+    assert mask.dense_layers == dense and bool(mask.keep[list(dense)].all())
+    assert not bool(mask.keep[pruned].all())
+    torch.testing.assert_close(mask.scores, alpha)
+
+    ids, got, recents, _ = leank_steps(LeanKModel(module.llm, mask), prompt(40, seed=5), 6)
+    for a, b in zip(got, reference_steps(module.llm, ids, 40, mask, recents), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def _lora_adapter(base, folder, **save_kw):
+    """A tiny random LoRA on every attention projection (lora_B random, so it changes the outputs), saved."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft_model.save_pretrained(folder, **save_kw)
+    return peft_model.eval()
+
+
+@pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
+def test_lora_adapter_train_export_load_decode(datamodule, tmp_path):
+    """A recipe naming base model + adapter learns on the adapted model; from_pretrained loads the same pair."""
+    import json
+
+    from leank_train.module import LeanKDistillation
+
+    base = tiny_model("llama", vocab_size=49152)
+    base.save_pretrained(tmp_path / "base")
+    datamodule.tokenizer.save_pretrained(tmp_path / "base")
+    adapted = _lora_adapter(base, tmp_path / "lora")
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+
+    module = LeanKDistillation(base_model=str(tmp_path / "base"), adapter=str(tmp_path / "lora"), **TRAIN)
+    mask = _fit(module, datamodule, tmp_path)
+    with torch.no_grad():  # what was trained on is the adapted model
+        torch.testing.assert_close(module.llm(prompt(30)).logits, adapted(prompt(30)).logits, atol=1e-4, rtol=1e-4)
+    assert (mask.adapter, mask.adapter_revision) == (str(tmp_path / "lora"), None)
+    assert json.loads((tmp_path / "mask" / "config.json").read_text())["format_version"] == 2
+
+    lk = LeanKModel.from_pretrained(tmp_path / "mask")
+    assert lk.tokenizer is not None and type(lk.model).__name__ == "LlamaForCausalLM"  # merged: a plain model
+    ids = prompt(40, seed=6)
+    with torch.no_grad():
+        want, plain = adapted(ids).logits, base(ids).logits
+        got = lk(ids).logits  # no LeanK cache: the dense adapted model
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-2)  # the adapter changes the model
+
+    out, logits, recents, _ = leank_steps(lk, ids, 6)
+    for a, b in zip(logits, reference_steps(lk.model, out, 40, mask, recents), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    _, base_logits, _, _ = leank_steps(LeanKModel(base, mask), ids, 6)
+    assert not torch.allclose(base_logits[-1], logits[-1], atol=1e-2)  # decoding the base model differs
+
+
+def test_pickled_or_prompt_learning_adapters_are_refused(tmp_path):
+    """Adapter weights only as a pickle are never loaded; prefix/prompt tuning (virtual tokens) cannot merge."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    from leank_infer import BaseModelError
+    from leank_infer.loading import apply_adapter
+
+    base = tiny_model("llama")
+    _lora_adapter(base, tmp_path / "lora", safe_serialization=False)
+    assert (tmp_path / "lora" / "adapter_model.bin").is_file()
+    with pytest.raises(BaseModelError, match="safetensors"):
+        apply_adapter(base, tmp_path / "lora")
+    prompt_tuned = get_peft_model(copy.deepcopy(base), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    prompt_tuned.save_pretrained(tmp_path / "prompt")
+    with pytest.raises(BaseModelError, match="prompt-learning"):
+        apply_adapter(base, tmp_path / "prompt")
+
+
+def test_masks_without_adapter_fields_stay_version_1(tmp_path):
+    """Old readers keep reading masks that name no adapter; a mask with an adapter is version 2 (old readers refuse it)."""
+    import json
+
+    mask = ChannelMask.full(2, 2, 16, **SIZES)
+    cfg = json.loads((mask.save_pretrained(tmp_path / "old") / "config.json").read_text())
+    assert cfg["format_version"] == 1 and "adapter" not in cfg and "dense_layers" not in cfg
+    loaded = ChannelMask.from_dir(tmp_path / "old")
+    assert loaded.adapter is None and loaded.adapter_revision is None and loaded.dense_layers == ()
+    mask.adapter, mask.adapter_revision = "org/lora", "abc123"
+    back = ChannelMask.from_dir(mask.save_pretrained(tmp_path / "new"))
+    assert (back.adapter, back.adapter_revision) == ("org/lora", "abc123")
+    with pytest.raises(MaskError, match="adapter_revision"):
+        ChannelMask(keep=mask.keep, ratio=0.0, align=1, adapter_revision="abc123")
