@@ -8,6 +8,7 @@ layers keep is the model's own sliding cache.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +351,17 @@ def test_masks_without_adapter_fields_stay_version_1(tmp_path):
     assert (back.adapter, back.adapter_revision) == ("org/lora", "abc123")
     with pytest.raises(MaskError, match="adapter_revision"):
         ChannelMask(keep=mask.keep, ratio=0.0, align=1, adapter_revision="abc123")
+
+
+def test_recipe_names_an_adapter(capsys):
+    """``model.adapter`` / ``model.adapter_revision`` are recipe keys (LightningCLI), overridable on the command line."""
+    import yaml
+
+    from leank_train.cli import run_cli
+
+    recipe = Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml"
+    args = ["--model.adapter", "org/my-lora", "--model.adapter_revision", "v1", "--print_config"]
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", str(recipe), "--stage", "1", *args])
+    cfg = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (cfg["adapter"], cfg["adapter_revision"]) == ("org/my-lora", "v1")
