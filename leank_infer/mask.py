@@ -68,13 +68,20 @@ def dense_layers_of(model_config: Any) -> tuple[int, ...]:
 
     Their cache is already bounded by the window and stays the model's own cache layer; LeanK
     prunes only full (global) attention layers. Layer types come from transformers itself
-    (``get_layer_types_and_kwargs``: ``config.layer_types``, else ``sliding_window``).
+    (``get_layer_types_and_kwargs``: ``config.layer_types``, else ``sliding_window``). A window at
+    least ``max_position_embeddings`` long never bites (Phi-3-128k's 262144): such a layer is global.
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-    types, _ = get_layer_types_and_kwargs(cfg)
-    return tuple(i for i, t in enumerate(types) if t != "full_attention")
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return tuple(
+        i
+        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
+        if kind != "full_attention"
+        and not (limit is not None and kw.get("sliding_window") is not None and kw["sliding_window"] >= limit)
+    )
 
 
 def _check_dense_layers(dense_layers: Any, num_layers: int) -> tuple[int, ...]:

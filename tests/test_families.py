@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, MORE_FAMILIES, tiny_model
+from conftest import FAMILIES, MORE_FAMILIES, tiny_config, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -187,15 +187,19 @@ def test_triton_dispatch_falls_back_to_torch_for_softcap():
     assert not torch.allclose(leank_decode_attention(*args, scaling=0.25, **masks), want, atol=1e-3)
 
 
-def test_all_sliding_model_is_refused_for_training():
-    """A model whose every layer slides (Mistral with a window) has no global layer: one clear error."""
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_all_sliding_model_is_refused_for_training(family):
+    """Every layer sliding with a window that bites (Mistral v0.1, Phi-3-mini-4k): no global layer, one clear error."""
     from leank_train.module import LeanKDistillation
 
-    model = tiny_model("mistral", sliding_window=16)
+    model = tiny_model(family, sliding_window=16)
+    assert dense_layers_of(model.config) == (0, 1)
     with pytest.raises(MaskError, match="sliding-window"):
         LeanKDistillation.for_model(model, sink_size=4, recent_size=8, align=4)
     with pytest.raises(MaskError, match="no global layer"):
         binarize(torch.rand(2, 2, 16), 0.5, 4, dense_layers=(0, 1))
+    # a window as long as the positions never bites (Phi-3-128k): those layers are global
+    assert dense_layers_of(tiny_config(family, sliding_window=4096, max_position_embeddings=4096)) == ()
 
 
 def test_dense_layers_round_trip_and_checks(tmp_path):
