@@ -33,7 +33,7 @@ from transformers.cache_utils import (
 )
 
 from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
-from .mask import ChannelMask
+from .mask import ChannelMask, dense_layers_of
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -336,15 +336,16 @@ class LeanKCache(Cache):
 
     Pass ``config`` (the model's) to check the mask fits and that the model decodes with the
     ``"leank"`` attention implementation (a clear error instead of silently wrong attention).
-    The mask's ``dense_layers`` (sliding-window layers) get the model's own cache layer, e.g.
-    ``DynamicSlidingWindowLayer``: they keep only their window, as without LeanK.
+    The mask's ``dense_layers`` and, given ``config``, every sliding-window layer of the model get
+    the model's own cache layer (e.g. ``DynamicSlidingWindowLayer``): they keep only their window.
     """
 
     def __init__(self, mask: ChannelMask, config: Any = None):
         if config is not None:
             mask.validate(config)
         shared: dict = {}
-        dense = set(mask.dense_layers)
+        # the mask's dense layers, and any sliding layer of the model (validate() checked it keeps every channel)
+        dense = set(mask.dense_layers) | (set(dense_layers_of(config)) if config is not None else set())
         layers = [
             model_cache_layer(config, i)
             if i in dense

@@ -239,6 +239,12 @@ class ChannelMask:
                     f"mask does not fit the model: {name} is {got} in the mask but {want} in the model "
                     f"(mask base_model={self.base_model!r}, model={getattr(model_config, '_name_or_path', '?')!r})"
                 )
+        pruned = [i for i in dense_layers_of(model_config) if not bool(self.keep[i].all())]
+        if pruned:
+            raise MaskError(
+                f"mask does not fit the model: layers {pruned} use sliding-window attention, which LeanK leaves "
+                "whole (their cache is bounded by the window), but the mask prunes channels there"
+            )
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.float16) -> dict[str, int]:
         """K+V bytes one token costs in every layer: dense, and a LeanK middle (pruned) token."""

@@ -134,6 +134,15 @@ def test_sliding_layers_keep_the_models_sliding_cache(family):
     assert cache.leank_layers == [1]
     with pytest.raises(ValueError, match="dense layer"):
         cache.region_lengths(0)
+    # a mask that does not name the sliding layer still gets the model's sliding cache there...
+    old_style = ChannelMask(keep=mask.keep, ratio=mask.ratio, align=mask.align, **SIZES)
+    *_, cache = leank_steps(LeanKModel(model, old_style), prompt(40, seed=2), 1)
+    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer)
+    # ...and one that prunes it does not fit the model
+    keep = mask.keep.clone()
+    keep[0, 0, :4] = False
+    with pytest.raises(MaskError, match=r"layers \[0\] use sliding-window attention"):
+        LeanKModel(model, ChannelMask(keep=keep, ratio=mask.ratio, align=mask.align, **SIZES))
 
 
 def test_gemma2_softcap_matters_and_is_applied():
