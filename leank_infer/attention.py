@@ -104,12 +104,17 @@ def _partial(scores: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, t
     return acc, m, p.sum(-1, keepdim=True)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (read in place)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """fp32 logits ``[B,h,G,Q,n]`` of queries ``[B,h,G,Q,c]`` against keys ``[B,h,n,c]`` (read in place).
+
+    ``softcap`` (Gemma 2's attention logit soft-capping): ``cap * tanh(logit / cap)`` after the scale,
+    as transformers' eager attention does it, so capped models stay exact.
+    """
     b, h, g, q_len, c = q.shape
     s = torch.matmul(q.reshape(b, h, g * q_len, c), k.transpose(-1, -2))
     s = s.float() if s.dtype != torch.float32 else s
-    return s.view(b, h, g, q_len, -1).mul_(scaling)
+    s = s.view(b, h, g, q_len, -1).mul_(scaling)
+    return s if softcap is None else s.div_(softcap).tanh_().mul_(softcap)
 
 
 def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -137,6 +142,7 @@ def leank_decode_attention(
     mid_mask: torch.Tensor | None,
     tail_mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a compressed LeanK cache; returns ``[B, Q, Hq, D]`` (HF layout).
 
@@ -149,6 +155,7 @@ def leank_decode_attention(
             (disjoint; False = not attended: padding, or causally hidden).
         mid_mask, tail_mask: ``[B, Q, n]`` / ``[B, Q, t]`` bool or None (= all attended).
         scaling: the logit scale (1/sqrt(D) usually), applied without renormalisation.
+        softcap: attention logit soft-capping (``cap * tanh(logit / cap)``, Gemma 2), or None.
 
     Parts: head and tail together (all channels; their scores and V are concatenated, both are
     short), then each kept-count group of the middle; merged by log-sum-exp.
@@ -161,9 +168,9 @@ def leank_decode_attention(
     scores, values = [], []
     if head_k.shape[2] > 0:
         keep = groups.keep.to(query.dtype).view(1, hkv, 1, 1, d)
-        s_full = _scores(q5, head_k, scaling)
+        s_full = _scores(q5, head_k, scaling, softcap)
         if head_mid.any():  # rows with left padding: their later head keys are middle keys
-            s_mid = _scores(q5 * keep, head_k, scaling)
+            s_mid = _scores(q5 * keep, head_k, scaling, softcap)
             mid = head_mid.unsqueeze(1).unsqueeze(1)  # [B,1,1,Q,H]
             allowed = head_full.unsqueeze(1).unsqueeze(1) | (mid & groups.nonzero.view(1, hkv, 1, 1, 1))
             s_full = torch.where(mid, s_mid, s_full)
@@ -173,7 +180,7 @@ def leank_decode_attention(
         values.append(head_v)
     if tail_k.shape[2] > 0:
         allowed = None if tail_mask is None else tail_mask.unsqueeze(1).unsqueeze(1)
-        scores.append(_masked(_scores(q5, tail_k, scaling), allowed))
+        scores.append(_masked(_scores(q5, tail_k, scaling, softcap), allowed))
         values.append(tail_v)
     if not scores:  # nothing but (possibly) middle keys: start from an empty part
         shape = (b, hkv, g, q_len, 1)
@@ -197,7 +204,7 @@ def leank_decode_attention(
             hg, c = channels.shape
             qg = q5.index_select(1, heads)
             qg = qg.gather(-1, channels.view(1, hg, 1, 1, c).expand(b, hg, g, q_len, c))
-            parts.append(_partial(_masked(_scores(qg, k, scaling), allowed), mid_v[:, off : off + hg]))
+            parts.append(_partial(_masked(_scores(qg, k, scaling, softcap), allowed), mid_v[:, off : off + hg]))
         order = groups.nonzero_order
         # back to KV-head order; heads without a middle part get an empty one (m = floor, l = 0)
         fill = (0.0, _FLOOR, 0.0)
@@ -277,6 +284,32 @@ def row_starts(attention_mask: torch.Tensor | None, batch_size: int, device: tor
     return starts.expand(batch_size).contiguous() if starts.numel() == 1 else starts
 
 
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Dense attention with logit soft-capping, ``[B, Q, Hq, Dv]``: where SDPA cannot go.
+
+    transformers' SDPA refuses ``softcap``, so Gemma 2's prefill, its dense forwards and its
+    sliding-window layers (which keep the model's own cache) come here. ``attention_mask`` is the
+    model's (4-D bool/float, 2-D padding, or None for causal), as SDPA would have received it.
+    """
+    b, hq, q_len, d = query.shape
+    hkv = key.shape[1]
+    q5 = query.reshape(b, hkv, hq // hkv, q_len, d)
+    scores = _scores(q5, key, scaling, softcap)
+    allowed = _allowed_from_mask(attention_mask, key.shape[2], q_len, query.device)
+    if allowed is not None:
+        scores = _masked(scores, allowed.unsqueeze(1).unsqueeze(1))
+    acc, _, denom = _partial(scores, value)
+    out = acc.div_(denom.clamp_min_(torch.finfo(torch.float32).tiny))
+    return out.view(b, hq, q_len, -1).transpose(1, 2).to(query.dtype).contiguous()
+
+
 def leank_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -287,19 +320,28 @@ def leank_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``"leank"`` attention implementation: SDPA at prefill / without a LeanK cache, LeanK decode otherwise."""
+    """The ``"leank"`` attention implementation: SDPA at prefill / without a LeanK cache, LeanK decode otherwise.
+
+    Layers the mask leaves dense (sliding-window layers, with the model's own cache layer) come
+    without a ``leank_layer`` and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
+    path: :func:`softcapped_attention` instead of SDPA, and inside the LeanK decode.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = kwargs.pop("leank_layer", None)
+    softcap = kwargs.pop("softcap", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     if layer is None or layer.prefill_pending:
-        out = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        if softcap is None:
+            out = sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        else:
+            out = softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
         if layer is not None:
             layer.finish_prefill(row_starts(attention_mask, query.shape[0], query.device))
         return out
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     q_len = query.shape[2]
     masks = layer.decode_masks(attention_mask, q_len)
     out = decode_attention(
@@ -312,6 +354,7 @@ def leank_attention_forward(
         layer.mid_v,
         layer.groups,
         scaling=scaling,
+        softcap=softcap,
         **masks,
     )
     return out, None

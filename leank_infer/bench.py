@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
         scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
         mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
     else:
-        model, _ = load_base_model(mask.base_model, mask.base_revision, mask.loader, dtype=dtype)
+        model, _ = load_base_model(
+            mask.base_model, mask.base_revision, mask.loader, dtype=dtype,
+            adapter=mask.adapter, adapter_revision=mask.adapter_revision,
+        )
     model.to(device)
     stats = mask.stats(dtype=dtype)
     print(

@@ -24,10 +24,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    get_layer_types_and_kwargs,
+)
 
 from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
-from .mask import ChannelMask
+from .mask import ChannelMask, dense_layers_of
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -316,19 +322,34 @@ class LeanKLayer(CacheLayerMixin):
         raise NotImplementedError("LeanK cache layers do not support offloading")
 
 
+def model_cache_layer(config: Any, layer_idx: int) -> CacheLayerMixin:
+    """The cache layer transformers' ``DynamicCache(config=...)`` would give this layer (sliding or full)."""
+    if config is None:
+        return DynamicLayer()
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    return DYNAMIC_LAYER_TYPE_MAPPING[types[layer_idx]](**kwargs[layer_idx])
+
+
 class LeanKCache(Cache):
     """A transformers ``Cache`` that stores K of middle tokens with only the channels a ChannelMask keeps.
 
     Pass ``config`` (the model's) to check the mask fits and that the model decodes with the
     ``"leank"`` attention implementation (a clear error instead of silently wrong attention).
+    The mask's ``dense_layers`` and, given ``config``, every sliding-window layer of the model get
+    the model's own cache layer (e.g. ``DynamicSlidingWindowLayer``): they keep only their window.
     """
 
     def __init__(self, mask: ChannelMask, config: Any = None):
         if config is not None:
             mask.validate(config)
         shared: dict = {}
+        # the mask's dense layers, and any sliding layer of the model (validate() checked it keeps every channel)
+        dense = set(mask.dense_layers) | (set(dense_layers_of(config)) if config is not None else set())
         layers = [
-            LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared)
+            model_cache_layer(config, i)
+            if i in dense
+            else LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared)
             for i in range(mask.num_layers)
         ]
         super().__init__(layers=layers)
@@ -336,17 +357,32 @@ class LeanKCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of K/V the cache really holds, all layers (distinct tensor storages)."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(
+            layer.nbytes() if isinstance(layer, LeanKLayer) else _dense_layer_bytes(layer) for layer in self.layers
+        )
 
-    def region_lengths(self, layer_idx: int = 0) -> dict[str, int]:
-        """Token counts of the head, compressed middle and tail of a layer (for inspection and tests)."""
+    @property
+    def leank_layers(self) -> list[int]:
+        """Indices of the layers this cache prunes (all but the mask's dense layers)."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, LeanKLayer)]
+
+    def region_lengths(self, layer_idx: int | None = None) -> dict[str, int]:
+        """Token counts of the head, compressed middle and tail of a LeanK layer (default: the first one)."""
+        if layer_idx is None:
+            layer_idx = self.leank_layers[0]
         layer = self.layers[layer_idx]
+        if not isinstance(layer, LeanKLayer):
+            raise ValueError(f"layer {layer_idx} is a dense layer of the mask (the model's own cache layer)")
         return {
             "head": layer.head_len,
             "middle": layer.mid_len,
             "tail": layer.tail_len,
             "total": layer.length,
         }
+
+
+def _dense_layer_bytes(layer: CacheLayerMixin) -> int:
+    return storage_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)])
 
 
 def dynamic_cache_bytes(cache: Cache) -> int:

@@ -95,18 +95,91 @@ def resolve_base_model(model_id: str | None, loader: dict[str, Any] | None = Non
     return model_id, extra
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def resolve_adapter_dir(adapter: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local adapter folder as is, or a Hub repo's ``adapter_config.json`` + safetensors weights.
+
+    Only those two files are ever fetched, and the folder must hold the safetensors weights: an
+    adapter saved only as a pickle (``adapter_model.bin``) is refused, never unpickled (peft itself
+    would fall back to it).
+    """
+    local = Path(adapter)
+    if local.is_dir():
+        folder = local
+    else:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+        from .hub import is_offline
+
+        try:
+            folder = Path(
+                snapshot_download(
+                    str(adapter),
+                    revision=revision,
+                    allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS],
+                    local_files_only=is_offline(),
+                )
+            )
+        except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+            raise BaseModelError(
+                f"cannot fetch adapter {str(adapter)!r} at revision {revision or 'main'!r}: {e}"
+            ) from None
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (folder / name).is_file():
+            raise BaseModelError(
+                f"adapter {str(adapter)!r} has no {name}: leank loads PEFT adapters saved as safetensors only "
+                "(save_pretrained(..., safe_serialization=True)); pickled weights are never loaded"
+            )
+    return folder
+
+
+def apply_adapter(model: Any, adapter: str | os.PathLike, revision: str | None = None) -> Any:
+    """``model`` with a PEFT adapter loaded and merged into its weights (a plain transformers model again).
+
+    Merged, not live: LeanK's cache and attention then see an ordinary model (no peft in the
+    decode loop, no per-step adapter cost), and the mask learned on it is the mask used at decode.
+    Works for the adapters peft can merge (LoRA, LoHa, LoKr, IA3, OFT, ...); prompt-learning
+    adapters (prefix/prompt tuning) add virtual tokens rather than weights and are refused.
+    """
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError:
+        raise BaseModelError(f"adapter {str(adapter)!r} needs peft: pip install peft") from None
+    folder = resolve_adapter_dir(adapter, revision)
+    config = PeftConfig.from_pretrained(str(folder))
+    if config.is_prompt_learning:
+        raise BaseModelError(
+            f"adapter {str(adapter)!r} is a {config.peft_type} prompt-learning adapter: it adds virtual tokens "
+            "instead of weights, which LeanK's cache cannot hold; use a weight adapter (LoRA, LoHa, IA3, ...)"
+        )
+    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=False)
+    try:
+        merged = peft_model.merge_and_unload()
+    except (AttributeError, NotImplementedError, ValueError) as e:
+        raise BaseModelError(f"adapter {str(adapter)!r} ({config.peft_type}) cannot be merged: {e}") from None
+    merged.eval()
+    return merged
+
+
 def load_base_model(
     model_id: str | None = None,
     revision: str | None = None,
     loader: dict[str, Any] | None = None,
     *,
     with_tokenizer: bool = True,
+    adapter: str | os.PathLike | None = None,
+    adapter_revision: str | None = None,
     **hf_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a Hub id, a local folder, or the embedded model.
 
     ``hf_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``...).
-    The model comes back in eval mode.
+    ``adapter`` (a PEFT adapter id or folder) is applied and merged (:func:`apply_adapter`); the
+    tokenizer stays the base model's. The model comes back in eval mode.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,5 +196,7 @@ def load_base_model(
             tok = AutoTokenizer.from_pretrained(source, **tok_kwargs)
     except OSError as e:
         raise BaseModelError(f"cannot load base model {model_id!r} (from {source!r}): {e}") from None
+    if adapter is not None:
+        model = apply_adapter(model, adapter, adapter_revision)
     model.eval()
     return model, tok

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+# Version 2 is written only for masks an older reader cannot honour (those naming a PEFT adapter: a
+# version-1 reader would load the bare base model and decode a model the mask was not learned on);
+# every other mask is still written as version 1. Both are read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MASK_FILE = "mask.safetensors"
 CONFIG_FILE = "config.json"
 REQUIRED_KEYS = (
@@ -73,16 +77,52 @@ def _counts(s: torch.Tensor, threshold: torch.Tensor, align: int) -> torch.Tenso
     return torch.floor(above.float() / align + 0.5).long().mul(align).clamp(0, s.shape[-1])
 
 
-def binarize(scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0) -> torch.Tensor:
+def dense_layers_of(model_config: Any) -> tuple[int, ...]:
+    """Layers LeanK leaves whole: the model's sliding-window (or chunked) attention layers.
+
+    Their cache is already bounded by the window and stays the model's own cache layer; LeanK
+    prunes only full (global) attention layers. Layer types come from transformers itself
+    (``get_layer_types_and_kwargs``: ``config.layer_types``, else ``sliding_window``). A window at
+    least ``max_position_embeddings`` long never bites (Phi-3-128k's 262144): such a layer is global.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return tuple(
+        i
+        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True))
+        if kind != "full_attention"
+        and not (limit is not None and kw.get("sliding_window") is not None and kw["sliding_window"] >= limit)
+    )
+
+
+def _check_dense_layers(dense_layers: Any, num_layers: int) -> tuple[int, ...]:
+    """``dense_layers`` as a sorted tuple of distinct layer indices, or MaskError."""
+    if isinstance(dense_layers, (str, bytes)) or not hasattr(dense_layers, "__iter__"):
+        raise MaskError(f"dense_layers must be a list of layer indices, got {dense_layers!r}")
+    out = tuple(sorted(set(dense_layers)))
+    bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise MaskError(f"dense_layers must be layer indices in [0, {num_layers}), got {bad}")
+    return out
+
+
+def binarize(
+    scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0, dense_layers: Any = ()
+) -> torch.Tensor:
     """LeanK's binarisation (LEANK.md, stage 2): global quantile, per-head count rounded to ``align``, top-k.
 
     The threshold is the ``ratio``-quantile of all scores; a head keeps
     ``round(#scores above threshold / align) * align`` channels, namely its highest-scoring ones.
-    Ties are broken by channel index, so the result is deterministic.
+    Ties are broken by channel index, so the result is deterministic. ``dense_layers`` (sliding-window
+    layers) keep every channel and take no part in the quantile: ``ratio`` is the pruned fraction of
+    the layers LeanK prunes.
 
     ``min_kept > 0`` favours whole-head pruning: a head that would keep fewer than ``min_kept``
     channels keeps none (its V is then dropped too), and the channel budget it frees goes to the
-    other heads (the threshold is recomputed over the heads still in play until none drops out).
+    other heads (the threshold is the one whose total kept count is nearest the budget).
     """
     if scores.ndim != 3:
         raise MaskError(f"scores must be [layers, kv_heads, head_dim], got shape {tuple(scores.shape)}")
@@ -93,14 +133,21 @@ def binarize(scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0) 
     s = scores.detach().float().cpu()
     if not torch.isfinite(s).all():
         raise MaskError("scores contain NaN or inf; cannot binarise")
-    counts = _counts(s, _quantile(s, ratio), align)
+    dense = _check_dense_layers(dense_layers, s.shape[0])
+    pruned = [i for i in range(s.shape[0]) if i not in dense]
+    if not pruned:
+        raise MaskError("every layer is a dense (sliding-window) layer: LeanK has no global layer to prune")
+    if not 0 <= min_kept <= head_dim:
+        raise MaskError(f"min_kept must be in [0, head_dim={head_dim}], got {min_kept}")
+    sp = s[pruned]
+    flat = sp.flatten().sort().values
+    counts_p = _counts(sp, _quantile(flat, ratio), align)
     if min_kept > 0:
         # the total kept falls as the threshold rises: bisect for the threshold whose total is nearest the budget
-        budget = (1 - ratio) * s.numel()
-        flat = s.flatten().sort().values
+        budget = (1 - ratio) * sp.numel()
 
         def total(i: int) -> torch.Tensor:
-            c = _counts(s, flat[i], align)
+            c = _counts(sp, flat[i], align)
             return c * (c >= min_kept)
 
         lo, hi = 0, flat.numel() - 1
@@ -110,13 +157,17 @@ def binarize(scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0) 
                 hi = mid
             else:
                 lo = mid + 1
-        counts = total(lo)
-        if lo > 0 and abs(total(lo - 1).sum() - budget) < abs(counts.sum() - budget):
-            counts = total(lo - 1)
+        counts_p = total(lo)
+        if lo > 0 and abs(total(lo - 1).sum() - budget) < abs(counts_p.sum() - budget):
+            counts_p = total(lo - 1)
+    counts = torch.full(s.shape[:2], head_dim, dtype=torch.long)
+    counts[pruned] = counts_p
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(head_dim).expand_as(order).contiguous())
-    return rank < counts.unsqueeze(-1)
+    keep = rank < counts.unsqueeze(-1)
+    keep[list(dense)] = True
+    return keep
 
 
 @dataclass
@@ -140,6 +191,9 @@ class ChannelMask:
     loader: dict[str, Any] = field(default_factory=dict)
     recipe: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
+    adapter_revision: str | None = None
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, torch.Tensor) or self.keep.ndim != 3:
@@ -160,7 +214,7 @@ class ChannelMask:
                 raise MaskError("scores contain NaN or inf")
         if not isinstance(self.loader, dict):
             raise MaskError(f"loader must be a JSON object (dict), got {type(self.loader).__name__}")
-        for name in ("base_model", "base_revision", "recipe"):
+        for name in ("base_model", "base_revision", "recipe", "adapter", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
@@ -171,6 +225,12 @@ class ChannelMask:
                 raise MaskError(f"{name} must be a non-negative integer, got {value!r}")
         if self.accumu_size < 1:
             raise MaskError(f"accumu_size must be at least 1, got {self.accumu_size}")
+        if self.adapter_revision is not None and self.adapter is None:
+            raise MaskError("adapter_revision is set but adapter is not")
+        self.dense_layers = _check_dense_layers(self.dense_layers, self.num_layers)
+        partial = [i for i in self.dense_layers if not bool(self.keep[i].all())]
+        if partial:
+            raise MaskError(f"dense_layers {partial} must keep every channel (their cache is never pruned)")
 
     # ---- shape ---------------------------------------------------------------------------
     @property
@@ -196,7 +256,7 @@ class ChannelMask:
         cls, scores: torch.Tensor, ratio: float = 0.7, align: int = 32, min_kept: int = 0, **meta: Any
     ) -> ChannelMask:
         """Binarise learned scalers with LeanK's rule (see :func:`binarize`); ``meta`` fills the other fields."""
-        keep = binarize(scores, ratio, align, min_kept)
+        keep = binarize(scores, ratio, align, min_kept, meta.get("dense_layers", ()))
         return cls(keep=keep, scores=scores, ratio=float(ratio), align=int(align), **meta)
 
     @classmethod
@@ -220,6 +280,12 @@ class ChannelMask:
                     f"mask does not fit the model: {name} is {got} in the mask but {want} in the model "
                     f"(mask base_model={self.base_model!r}, model={getattr(model_config, '_name_or_path', '?')!r})"
                 )
+        pruned = [i for i in dense_layers_of(model_config) if not bool(self.keep[i].all())]
+        if pruned:
+            raise MaskError(
+                f"mask does not fit the model: layers {pruned} use sliding-window attention, which LeanK leaves "
+                "whole (their cache is bounded by the window), but the mask prunes channels there"
+            )
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.float16) -> dict[str, int]:
         """K+V bytes one token costs in every layer: dense, and a LeanK middle (pruned) token."""
@@ -262,10 +328,13 @@ class ChannelMask:
 
     # ---- files ------------------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:
+        """The ``config.json`` object; adapter and dense-layer fields appear only when set (old readers)."""
+        adapter = {"adapter": self.adapter, "adapter_revision": self.adapter_revision} if self.adapter else {}
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.adapter else 1,
             "base_model": self.base_model,
             "base_revision": self.base_revision,
+            **adapter,
             "loader": dict(self.loader),
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -275,6 +344,7 @@ class ChannelMask:
             "accumu_size": self.accumu_size,
             "ratio": self.ratio,
             "align": self.align,
+            **({"dense_layers": list(self.dense_layers)} if self.dense_layers else {}),
             "recipe": self.recipe,
             **({"extra": self.extra} if self.extra else {}),
         }
@@ -318,9 +388,9 @@ class ChannelMask:
         if not isinstance(cfg, dict):
             raise MaskError(f"{cfg_path} must hold a JSON object")
         version = cfg.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise MaskError(
-                f"{cfg_path}: unknown format_version {version!r} (this leank reads version {FORMAT_VERSION})"
+                f"{cfg_path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})"
             )
         missing = [k for k in REQUIRED_KEYS if k not in cfg]
         if missing:
@@ -351,6 +421,9 @@ class ChannelMask:
                 loader=cfg.get("loader") or {},
                 recipe=cfg.get("recipe"),
                 extra=cfg.get("extra") or {},
+                adapter=cfg.get("adapter"),
+                adapter_revision=cfg.get("adapter_revision"),
+                dense_layers=cfg.get("dense_layers") or (),
             )
         except MaskError as e:
             raise MaskError(f"{folder}: {e}") from None

@@ -29,6 +29,7 @@ def leank_attention(
     key_padding_mask: torch.Tensor | None = None,
     skip_zero_heads: bool = False,
     q_chunk: int = 256,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """LeanK attention; returns ``[batch, queries, q_heads, head_dim]`` (the HF attention-output layout).
 
@@ -39,6 +40,7 @@ def leank_attention(
         key_start: ``[B]`` index of each row's first real token (left padding); default 0.
         key_padding_mask: ``[B, K]`` bool, False for keys to ignore (padding).
         skip_zero_heads: heads whose scale is all zero ignore their middle keys.
+        softcap: attention logit soft-capping, ``cap * tanh(logit / cap)`` after the scale (Gemma 2).
     """
     b, hq, q_len, d = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
@@ -68,6 +70,8 @@ def leank_attention(
         mid_scores = torch.einsum("bhgqd,bhkd->bhgqk", q * scale.view(1, hkv, 1, 1, d), key)
         middle = middle.view(b, 1, 1, -1, k_len)
         scores = torch.where(middle, mid_scores, full_scores) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         keep = valid.view(b, 1, 1, -1, k_len) & ~(middle & zero_head)
         scores = scores.float().masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype)

@@ -58,6 +58,9 @@ class LeanKModel:
     ) -> LeanKModel:
         """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
 
+        A mask learned on a fine-tune names its PEFT adapter too (``mask.adapter``, at
+        ``mask.adapter_revision``): it is loaded onto the base model and merged, as in training.
+
         With ``model=`` given, that model is used as is: its shape must fit the mask, and its Hub
         id must be the mask's ``base_model`` (else ``MaskError``, before the model is touched).
         A fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which
@@ -66,7 +69,12 @@ class LeanKModel:
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
             model, loaded_tokenizer = load_base_model(
-                mask.base_model, mask.base_revision, mask.loader, **hf_kwargs
+                mask.base_model,
+                mask.base_revision,
+                mask.loader,
+                adapter=mask.adapter,
+                adapter_revision=mask.adapter_revision,
+                **hf_kwargs,
             )
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:

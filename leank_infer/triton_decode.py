@@ -26,7 +26,8 @@ Masks are the reference's (``head_full``/``head_mid``/``mid_mask``/``tail_mask``
 strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row pattern works
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
 the load. Not supported, and sent to the PyTorch path: ``q_len > 1`` (prefill-like chunks, or
-speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim.
+speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, attention
+logit soft-capping (Gemma 2's ``softcap``: exact on the PyTorch path, not in these kernels).
 """
 
 from __future__ import annotations  # kernel annotations stay strings ("tl.constexpr"): triton reads them so
@@ -406,9 +407,11 @@ def _row_mask(mask: torch.Tensor | None, b: int, n: int) -> torch.Tensor | None:
 
 
 def _unsupported(
-    query: torch.Tensor, head_v: torch.Tensor, masks: Sequence[torch.Tensor | None]
+    query: torch.Tensor, head_v: torch.Tensor, masks: Sequence[torch.Tensor | None], softcap: float | None = None
 ) -> str | None:
     """Why the kernel cannot run these inputs (the caller then uses the PyTorch path), or None."""
+    if softcap is not None:
+        return "attention logit soft-capping"
     if query.shape[2] != 1:
         return "q_len > 1"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -435,6 +438,7 @@ def triton_decode_attention(
     mid_mask: torch.Tensor | None,
     tail_mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
     *,
     splits: int | None = None,
     block_n: int = BLOCK_N,
@@ -451,8 +455,8 @@ def triton_decode_attention(
 
     args = (query, head_k, head_v, tail_k, tail_v, mid_k, mid_v, groups)
     masks = (head_full, head_mid, mid_mask, tail_mask)
-    if _unsupported(query, head_v, masks) is not None:
-        return leank_decode_attention(*args, *masks, scaling)
+    if _unsupported(query, head_v, masks, softcap) is not None:
+        return leank_decode_attention(*args, *masks, scaling, softcap)
     if not HAS_TRITON:
         raise RuntimeError("triton_decode_attention needs triton (pip install triton); use backend='torch'")
     if query.device.type != "cuda" and not kernels_interpreted():

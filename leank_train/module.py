@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from leank_infer.mask import ChannelMask, MaskError, binarize, model_shape
+from leank_infer.mask import ChannelMask, MaskError, binarize, dense_layers_of, model_shape
 
 from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState
 from .student_attention import register as register_attention
@@ -40,9 +40,11 @@ class BinaryMaskSTE(torch.autograd.Function):
         return grad, None
 
 
-def binary_ste(alpha: torch.Tensor, ratio: float, align: int, min_kept: int = 0) -> torch.Tensor:
+def binary_ste(
+    alpha: torch.Tensor, ratio: float, align: int, min_kept: int = 0, dense_layers: Any = ()
+) -> torch.Tensor:
     """LeanK's binarisation of ``alpha`` in the forward pass, identity gradient to ``alpha``."""
-    binary = binarize(alpha.detach(), ratio, align, min_kept).to(alpha.device)
+    binary = binarize(alpha.detach(), ratio, align, min_kept, dense_layers).to(alpha.device)
     return BinaryMaskSTE.apply(alpha, binary)
 
 
@@ -83,6 +85,8 @@ class LeanKDistillation(L.LightningModule):
         base_model: str = "embedded",
         revision: str | None = None,
         loader: dict[str, Any] | None = None,
+        adapter: str | None = None,
+        adapter_revision: str | None = None,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         stage: Literal[1, 2] = 1,
         init_scores: str | None = None,
@@ -103,6 +107,9 @@ class LeanKDistillation(L.LightningModule):
             base_model: Hub id, local folder, or "embedded" (SmolLM2-135M-Instruct shipped on PyPI).
             revision: base model revision (commit, tag or branch) to pin.
             loader: loader hints forwarded to ``load_base_model`` (e.g. ``{"gguf_file": ...}``).
+            adapter: a PEFT adapter (Hub id or folder, safetensors) applied to the base model and
+                merged before training: the mask is learned on, and recorded for, the adapted model.
+            adapter_revision: adapter revision to pin.
             dtype: dtype of the frozen model; alpha and the loss stay float32.
             stage: 1 = continuous alpha with L1; 2 = binary mask with a straight-through estimator.
             init_scores: start alpha from these scores (mask folder or safetensors); stage 2 needs it.
@@ -124,6 +131,7 @@ class LeanKDistillation(L.LightningModule):
         self.strict_loading = False  # checkpoints hold alpha only, not the frozen model
         self.llm: nn.Module | None = None
         self.alpha: nn.Parameter | None = None
+        self.dense_layers: tuple[int, ...] = ()  # sliding-window layers: left whole, alpha fixed at 1
         self.distill_loss = MeanMetric()
         self.reg_loss = MeanMetric()
         self.recent_distill: list[float] = []  # the last steps' losses: one step of batch 1 is noisy
@@ -147,12 +155,19 @@ class LeanKDistillation(L.LightningModule):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.llm = model
         layers, kv_heads, head_dim = model_shape(model.config)
+        self.dense_layers = dense_layers_of(model.config)
+        if len(self.dense_layers) == layers:
+            raise MaskError(
+                f"every layer of {type(model).__name__} uses sliding-window attention: its cache is already "
+                "bounded and LeanK prunes only full-attention layers, so there is no mask to learn"
+            )
         alpha = torch.ones(layers, kv_heads, head_dim)
         if self.hparams.init_scores is not None:
             scores = load_scores(self.hparams.init_scores)
             if tuple(scores.shape) != tuple(alpha.shape):
                 raise MaskError(f"init_scores shape {tuple(scores.shape)} does not fit the model {tuple(alpha.shape)}")
             alpha = scores.clamp(0, 1)
+        alpha[list(self.dense_layers)] = 1.0  # unused by the student: no gradient, no L1 pull
         self.alpha = nn.Parameter(alpha.float().contiguous())
 
     def configure_model(self) -> None:
@@ -165,6 +180,8 @@ class LeanKDistillation(L.LightningModule):
             self.hparams.revision,
             self.hparams.loader,
             with_tokenizer=False,
+            adapter=self.hparams.adapter,
+            adapter_revision=self.hparams.adapter_revision,
             dtype=getattr(torch, self.hparams.dtype),
         )
         self._attach(model)
@@ -192,7 +209,9 @@ class LeanKDistillation(L.LightningModule):
     def channel_scale(self) -> torch.Tensor:
         """What multiplies middle-key channels now: alpha (stage 1) or its binarisation with STE (stage 2)."""
         if self.hparams.stage == 2:
-            return binary_ste(self.alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept)
+            return binary_ste(
+                self.alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept, self.dense_layers
+            )
         return self.alpha
 
     def hidden_states(self, input_ids: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +222,7 @@ class LeanKDistillation(L.LightningModule):
         total = input_ids.shape[1]
         if not 0 < context_len < total:
             raise ValueError(f"context_len must split the sequence, got {context_len} of {total}")
-        cache = DynamicCache(config=self.llm.config)
+        cache = DynamicCache()  # full layers everywhere (the model's mask still applies sliding windows): croppable
         with torch.no_grad():
             teacher = decoder(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state[:, context_len:]
         cache.crop(-(total - context_len))  # negative: drop the answer, keep the context's K/V
@@ -212,6 +231,7 @@ class LeanKDistillation(L.LightningModule):
             sink_size=self.hparams.sink_size,
             recent_size=self.hparams.recent_size,
             skip_zero_heads=self.hparams.stage == 2,
+            dense_layers=frozenset(self.dense_layers),
         )
         positions = torch.arange(context_len, total, device=input_ids.device).unsqueeze(0)
         student = decoder(
@@ -231,7 +251,8 @@ class LeanKDistillation(L.LightningModule):
         per_token = (teacher.float() - student.float()).pow(2).mean(-1)  # [1, answer]
         on_label = (labels[:, context_len:] != -100).to(per_token.dtype)
         distill = (per_token * on_label).sum() / on_label.sum().clamp_min(1)
-        reg = self.hparams.reg_weight * self.alpha.abs().mean()
+        pruned = [i for i in range(self.alpha.shape[0]) if i not in self.dense_layers]
+        reg = self.hparams.reg_weight * self.alpha[pruned].abs().mean()
         return distill, reg
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -247,7 +268,9 @@ class LeanKDistillation(L.LightningModule):
         self.log("train/reg_loss", self.reg_loss, on_step=True, on_epoch=False)
         with torch.no_grad():
             alpha = self.alpha.detach().clamp(0, 1)
-            counts = binarize(alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept).sum(-1)
+            counts = binarize(
+                alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept, self.dense_layers
+            ).sum(-1)
             self.log_dict(
                 {
                     "train/ratio": self.current_ratio(),
@@ -284,6 +307,9 @@ class LeanKDistillation(L.LightningModule):
         meta.setdefault("base_model", self.hparams.base_model)
         meta.setdefault("base_revision", self.hparams.revision)
         meta.setdefault("loader", dict(self.hparams.loader or {}))
+        meta.setdefault("adapter", self.hparams.adapter)
+        meta.setdefault("adapter_revision", self.hparams.adapter_revision)
+        meta.setdefault("dense_layers", self.dense_layers)
         alpha = self.alpha.detach().clamp(0, 1).cpu()
         return ChannelMask.from_scores(
             alpha, ratio=self.hparams.ratio, align=self.hparams.align, min_kept=self.hparams.min_kept, **meta

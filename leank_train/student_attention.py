@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from leank_infer.attention import softcapped_attention
 from leank_infer.masked_attention import leank_attention
 
 ATTN_IMPLEMENTATION = "leank_student"
@@ -32,6 +33,7 @@ class StudentState:
     sink_size: int
     recent_size: int
     skip_zero_heads: bool = False  # stage 2: heads with no kept channel ignore their middle, as at decode
+    dense_layers: frozenset[int] = frozenset()  # sliding-window layers: the model's own attention, no LeanK
 
 
 def leank_student_attention(
@@ -45,13 +47,19 @@ def leank_student_attention(
     leank_student: StudentState | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """LeanK attention for the queries of this call against all cached keys; SDPA when no state is given.
+    """LeanK attention for the queries of this call against all cached keys; dense when no state is given.
 
     The queries are the last ``Q`` of the ``K`` keys (the answer tokens after a cached context), so
     query ``i`` sits at position ``K - Q + i``; causality and the sink/middle/recent split follow
-    from positions alone, and the transformers mask is not needed.
+    from positions alone, and the transformers mask is not needed. Dense means SDPA with the
+    model's mask (sliding window included), or :func:`softcapped_attention` when the model
+    soft-caps its logits (Gemma 2): the teacher pass, and the student's dense layers.
     """
-    if leank_student is None:
+    softcap = kwargs.pop("softcap", None)
+    if leank_student is None or module.layer_idx in leank_student.dense_layers:
+        if softcap is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return softcapped_attention(query, key, value, attention_mask, scale, softcap), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("the LeanK student pass runs one sequence at a time (batch size 1)")
@@ -68,6 +76,7 @@ def leank_student_attention(
         leank_student.recent_size,
         scale,
         skip_zero_heads=leank_student.skip_zero_heads,
+        softcap=softcap,
     )
     return out, None
 

@@ -13,11 +13,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Families with their own quirks (tests/test_families.py): Gemma 2 soft-caps attention logits and
+# alternates sliding-window and global layers, Gemma 3 (text) adds q/k norms to that, Phi-3 fuses
+# qkv_proj and rotates only part of each head (partial_rotary_factor).
+MORE_FAMILIES = ("gemma2", "gemma3", "phi3")
 
 
 def tiny_config(family: str = "llama", **overrides):
-    """A 2-layer random config with GQA (4 query heads, 2 KV heads, head_dim 16)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A 2-layer random config with GQA (4 query heads, 2 KV heads, head_dim 16).
+
+    Gemma 2/3: layer 0 is a sliding-window layer (window 16), layer 1 a global one; Gemma 2's weights
+    are drawn larger (std 0.1) so that its logit soft-cap (2.0) really changes the scores.
+    """
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=128,
@@ -33,8 +49,26 @@ def tiny_config(family: str = "llama", **overrides):
         eos_token_id=2,
         tie_word_embeddings=False,
     )
+    if family in ("gemma2", "gemma3"):
+        common.update(sliding_window=16, query_pre_attn_scalar=16)
+        common["layer_types"] = ["sliding_attention", "full_attention"]
+    if family == "gemma2":  # weights 5x the default scale: logits of a few units, where the cap bites
+        common.update(attn_logit_softcapping=2.0, initializer_range=0.1)
+    if family == "phi3":  # head_dim is hidden_size / heads; half of each head is rotated
+        del common["head_dim"]
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
+    if family in ("gemma2", "gemma3") and "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        del common["layer_types"]  # let the config derive its pattern for the other layer count
+    cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+        "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
+        "phi3": Phi3Config,
+    }[family]
     if family == "mistral":
         common.setdefault("sliding_window", None)
     if family == "qwen2":
