@@ -99,6 +99,7 @@ class LeanKDistillation(L.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         activation_checkpointing: bool = False,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -118,6 +119,8 @@ class LeanKDistillation(L.LightningModule):
             min_lr_ratio: cosine decay floor, as a fraction of ``lr``.
             activation_checkpointing: recompute each decoder layer of the student pass in the backward
                 instead of keeping its activations (same gradients, less memory on long contexts).
+            config_overrides: model config attributes set at load (e.g. ``rope_parameters`` for YaRN),
+                forwarded to ``from_pretrained``.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -170,6 +173,7 @@ class LeanKDistillation(L.LightningModule):
             self.hparams.loader,
             with_tokenizer=False,
             dtype=getattr(torch, self.hparams.dtype),
+            **dict(self.hparams.config_overrides or {}),
         )
         self._attach(model)
 

@@ -157,3 +157,20 @@ def test_sequence_parallel_strategy_rejects_bad_sizes():
         SequenceParallelStrategy(0)
     with pytest.raises(ValueError, match="KV heads divisible by 4"):
         check_divisible(2, 4, "the KV heads")
+
+
+def test_memory_estimate_terms():
+    from leank_train.memory import count_params, estimate_step_memory, known_config
+
+    for family in ("llama", "qwen2"):
+        model = tiny_model(family)
+        assert count_params(model.config) == sum(p.numel() for p in model.parameters())
+    cfg = known_config("meta-llama/Llama-3.1-8B-Instruct")  # the published architecture, offline
+    assert 7.9e9 < count_params(cfg) < 8.1e9
+    one = estimate_step_memory(cfg, 32768)
+    assert one["kv_bytes_per_token_per_layer"] == 2 * 8 * 128 * 2
+    two = estimate_step_memory(cfg, 32768, sequence_parallel=2)
+    assert two["context_kv_gib"] == pytest.approx(one["context_kv_gib"] / 2)
+    assert estimate_step_memory(cfg, 32768, activation_checkpointing=False)["student_saved_gib"] > 10 * one["student_saved_gib"]
+    with pytest.raises(ValueError, match="divide"):
+        estimate_step_memory(cfg, 32768, sequence_parallel=3)
