@@ -24,7 +24,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _WORDS = (
@@ -233,6 +233,7 @@ class NeedleDataModule(L.LightningDataModule):
         num_samples: int = 256,
         seed: int = 0,
         num_workers: int = 0,
+        batch_size: int = 1,
     ) -> None:
         """
         Args:
@@ -245,6 +246,8 @@ class NeedleDataModule(L.LightningDataModule):
             num_samples: samples per epoch (Lightning cycles epochs until ``max_steps``).
             seed: the data seed; same seed, same samples.
             num_workers: DataLoader workers.
+            batch_size: samples per step and process (padded by ``collate_needles``; the module loops
+                over them). The order is fixed: see ``train_dataloader``.
         """
         super().__init__()
         self.save_hyperparameters(ignore=["templates"])
@@ -255,6 +258,9 @@ class NeedleDataModule(L.LightningDataModule):
         self.num_samples = num_samples
         self.seed = seed
         self.num_workers = num_workers
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
         self.tokenizer: Any = None
         self.train_set: Dataset | None = None
 
@@ -287,8 +293,44 @@ class NeedleDataModule(L.LightningDataModule):
             self.train_set.set_format("torch", columns=["input_ids", "labels", "context_len"])
 
     def train_dataloader(self) -> DataLoader:
+        """Samples in index order. Distributed, our own ``DistributedSampler(shuffle=False)`` over the
+        strategy's ``distributed_sampler_kwargs``: Lightning would inject a *shuffled* one for training
+        (it always passes ``shuffle=True`` there). Unshuffled, data-parallel rank r of W gets the samples
+        r, r + W, ..., so W processes x batch 1 see exactly what one process x batch W sees (samples
+        are i.i.d. draws of ``(seed, index)``: shuffling would add nothing). Sequence-parallel ranks
+        of one group share a data-parallel rank, hence their sample."""
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(self.train_set, batch_size=1, shuffle=False, num_workers=self.num_workers)
+        sampler = None
+        trainer = self.trainer
+        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+        if kwargs is not None:
+            sampler = DistributedSampler(self.train_set, shuffle=False, **kwargs)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            shuffle=False if sampler is None else None,
+            num_workers=self.num_workers,
+            collate_fn=collate_needles,
+        )
+
+
+def collate_needles(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Pad samples of different lengths to one batch: ``input_ids`` (pad 0), ``labels`` (pad -100),
+    ``context_len`` and ``length`` (true lengths; the module trims each sample back to it)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"])
+        labels[i, :n] = torch.as_tensor(r["labels"])
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "context_len": torch.tensor([int(r["context_len"]) for r in rows]),
+        "length": torch.tensor([len(r["input_ids"]) for r in rows]),
+    }
 
 
 def collate_check(batch: dict[str, torch.Tensor]) -> None:

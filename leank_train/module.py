@@ -1,16 +1,19 @@
 """The LightningModule that learns LeanK channel scalers by distillation (both stages).
 
-A step (LEANK.md, "Cost of a training step"): one no-grad forward of context + answer with a
-``DynamicCache`` gives the teacher's final hidden states on the answer and the context's post-RoPE
-K/V; the cache is cropped to the context and the student runs only the answer tokens against it
-with LeanK attention (``leank_student``), K of middle keys scaled by alpha (stage 1) or by the
-binary mask with a straight-through gradient (stage 2). Only ``[answer x context]`` scores exist.
+A step (LEANK.md, "Cost of a training step"): one no-grad forward of context + answer gives the
+teacher's final hidden states on the answer and records the context's post-RoPE K/V
+(``TeacherState``); the student runs only the answer tokens against those K/V with LeanK attention
+(``leank_student``), K of middle keys scaled by alpha (stage 1) or by the binary mask with a
+straight-through gradient (stage 2). Only ``[answer x context]`` scores exist. Scaling out
+(DDP/FSDP, sequence parallelism, activation checkpointing): README "Scaling out".
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +24,8 @@ from torchmetrics import MeanMetric
 
 from leank_infer.mask import ChannelMask, MaskError, binarize, dense_layers_of, model_shape
 
-from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState
+from . import sequence_parallel as sp
+from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState, TeacherState
 from .student_attention import register as register_attention
 
 # The frozen base model is in eval mode on purpose (no dropout); Lightning warns about it at fit start.
@@ -101,6 +105,8 @@ class LeanKDistillation(L.LightningModule):
         ratio_start: float | None = None,
         ratio_anneal_steps: int = 0,
         min_kept: int = 0,
+        activation_checkpointing: bool = False,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -125,6 +131,10 @@ class LeanKDistillation(L.LightningModule):
                 over ``ratio_anneal_steps`` steps (higher ratios need the mask to get there gradually).
             ratio_anneal_steps: length of that anneal in optimizer steps (0: ``ratio`` from the start).
             min_kept: favour whole-head pruning: a head keeping fewer channels keeps none (see ``binarize``).
+            activation_checkpointing: recompute each decoder layer of the student pass in the backward
+                instead of keeping its activations (same gradients, less memory on long contexts).
+            config_overrides: model config attributes set at load (e.g. ``rope_parameters`` for YaRN),
+                forwarded to ``from_pretrained``.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -153,7 +163,13 @@ class LeanKDistillation(L.LightningModule):
         model.requires_grad_(False)
         model.eval()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if self.hparams.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.llm = model
+        # The frozen weights are identical on every rank (same file): DDP need not broadcast or track them.
+        self._ddp_params_and_buffers_to_ignore = [f"llm.{n}" for n, _ in model.named_parameters()] + [
+            f"llm.{n}" for n, _ in model.named_buffers()
+        ]
         layers, kv_heads, head_dim = model_shape(model.config)
         self.dense_layers = dense_layers_of(model.config)
         if len(self.dense_layers) == layers:
@@ -183,6 +199,7 @@ class LeanKDistillation(L.LightningModule):
             adapter=self.hparams.adapter,
             adapter_revision=self.hparams.adapter_revision,
             dtype=getattr(torch, self.hparams.dtype),
+            **dict(self.hparams.config_overrides or {}),
         )
         self._attach(model)
 
@@ -214,43 +231,110 @@ class LeanKDistillation(L.LightningModule):
             )
         return self.alpha
 
-    def hidden_states(self, input_ids: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(teacher, student) final hidden states ``[1, answer, hidden]`` of the tokens after ``context_len``."""
-        from transformers import DynamicCache
+    @property
+    def sequence_parallel_group(self) -> Any:
+        """The process group splitting one sample's sequence: set explicitly, or the strategy's; None if off."""
+        group = getattr(self, "_sequence_parallel_group", None)
+        if group is None and self._trainer is not None:
+            group = getattr(self.trainer.strategy, "sequence_parallel_group", None)
+        return group
 
+    @sequence_parallel_group.setter
+    def sequence_parallel_group(self, group: Any) -> None:
+        self._sequence_parallel_group = group
+
+    @contextmanager
+    def _checkpointed_layers(self) -> Iterator[None]:
+        """transformers checkpoints a decoder layer only when that layer is in training mode: flip the
+        layer's own flag (not its children's, so dropout-like submodules stay in eval) for the student pass."""
+        layers = [m for m in self.llm.modules() if getattr(m, "gradient_checkpointing", False)]
+        if not self.hparams.activation_checkpointing:
+            layers = []
+        for m in layers:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.training = False
+
+    def hidden_states(self, input_ids: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher, student) final hidden states ``[1, answer, hidden]`` of the tokens after ``context_len``.
+
+        Teacher: one no-grad pass over context + answer that records every layer's K/V (sequence
+        parallel: this rank's shard of the sequence, head-sharded K/V). Student: the answer tokens
+        alone (replicated on an SP group) against the recorded context K/V, with grad to alpha.
+        """
         decoder = self.llm.get_decoder()
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"hidden_states takes one sequence, got a batch of {input_ids.shape[0]}")
         total = input_ids.shape[1]
         if not 0 < context_len < total:
             raise ValueError(f"context_len must split the sequence, got {context_len} of {total}")
-        cache = DynamicCache()  # full layers everywhere (the model's mask still applies sliding windows): croppable
+        group = self.sequence_parallel_group
+        record = TeacherState(kv={}, group=group)
         with torch.no_grad():
-            teacher = decoder(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state[:, context_len:]
-        cache.crop(-(total - context_len))  # negative: drop the answer, keep the context's K/V
+            if group is None:
+                teacher = decoder(input_ids=input_ids, use_cache=False, **{STATE_KWARG: record}).last_hidden_state
+            else:
+                cfg = self.llm.config.get_text_config()
+                sp.check_divisible(int(cfg.num_key_value_heads), sp.group_size(group), "the KV heads")
+                start, end, padded = sp.sequence_shard(total, group)
+                # pad after the answer: causal attention, so nothing before the padding changes
+                ids = torch.nn.functional.pad(input_ids, (0, padded - total), value=int(input_ids[0, -1]))
+                positions = torch.arange(start, end, device=input_ids.device).unsqueeze(0)
+                local = decoder(
+                    input_ids=ids[:, start:end], position_ids=positions, use_cache=False, **{STATE_KWARG: record}
+                ).last_hidden_state
+                teacher = sp.all_gather_cat(local, group, dim=1)[:, :total]
+            teacher = teacher[:, context_len:]
+        context = [(k[:, :, :context_len], v[:, :, :context_len]) for k, v in (record.kv[i] for i in sorted(record.kv))]
         state = StudentState(
             channel_scale=self.channel_scale(),
             sink_size=self.hparams.sink_size,
             recent_size=self.hparams.recent_size,
             skip_zero_heads=self.hparams.stage == 2,
             dense_layers=frozenset(self.dense_layers),
+            context=context,
+            group=group,
         )
         positions = torch.arange(context_len, total, device=input_ids.device).unsqueeze(0)
-        student = decoder(
-            input_ids=input_ids[:, context_len:],
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            **{STATE_KWARG: state},
-        ).last_hidden_state
+        with self._checkpointed_layers():
+            student = decoder(
+                input_ids=input_ids[:, context_len:],
+                position_ids=positions,
+                use_cache=False,
+                **{STATE_KWARG: state},
+            ).last_hidden_state
         return teacher, student
 
-    def losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(distillation MSE over label tokens, weighted L1 of alpha)."""
-        input_ids, labels = batch["input_ids"], batch["labels"]
-        context_len = int(batch["context_len"].reshape(-1)[0])
+    def sample_distill(self, input_ids: torch.Tensor, labels: torch.Tensor, context_len: int) -> torch.Tensor:
+        """Distillation MSE of one sequence ``[1, T]``: mean over label tokens of the mean over channels."""
         teacher, student = self.hidden_states(input_ids, context_len)
         per_token = (teacher.float() - student.float()).pow(2).mean(-1)  # [1, answer]
         on_label = (labels[:, context_len:] != -100).to(per_token.dtype)
-        distill = (per_token * on_label).sum() / on_label.sum().clamp_min(1)
+        return (per_token * on_label).sum() / on_label.sum().clamp_min(1)
+
+    def losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distillation MSE averaged over the samples of the batch, weighted L1 of alpha once per step).
+
+        A batch of several samples (padded by ``collate_needles``; true lengths in ``length``) is a
+        loop over its samples, each at its own length, and the mean of their losses: so one process
+        with batch B equals B data-parallel processes with batch 1, whose gradients DDP averages.
+        The L1 term is added once per step, not per sample, over the layers LeanK prunes.
+        """
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        contexts = batch["context_len"].reshape(-1)
+        lengths = batch.get("length")
+        lengths = lengths.reshape(-1) if lengths is not None else torch.full_like(contexts, input_ids.shape[1])
+        if not len(contexts) == len(lengths) == input_ids.shape[0]:
+            raise ValueError("context_len and length need one entry per sample of the batch")
+        distill = torch.stack(
+            [
+                self.sample_distill(input_ids[i : i + 1, :n], labels[i : i + 1, :n], int(c))
+                for i, (n, c) in enumerate(zip(lengths.tolist(), contexts.tolist(), strict=True))
+            ]
+        ).mean()
         pruned = [i for i in range(self.alpha.shape[0]) if i not in self.dense_layers]
         reg = self.hparams.reg_weight * self.alpha[pruned].abs().mean()
         return distill, reg

@@ -42,9 +42,13 @@ def split_overrides(args: Sequence[str]) -> dict[int, list[str]]:
 
 
 def _export_dir(cli) -> str:
+    """The mask folder the stage exported. Distributed, rank 0 writes it and the others wait for it."""
+    cli.trainer.strategy.barrier("leank-export")
     for cb in cli.trainer.callbacks:
-        if isinstance(cb, ExportMask) and cb.exported is not None:
-            return str(cb.exported)
+        if isinstance(cb, ExportMask) and cb.dirpath is not None and (
+            cb.exported is not None or not cli.trainer.is_global_zero
+        ):
+            return str(cb.exported or cb.dirpath)
     raise SystemExit("the stage wrote no mask folder: set export.dirpath in the recipe")
 
 
@@ -69,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     stage2 = run_cli(["fit", "--config", recipe, "--stage", "2", *overrides[2], "--model.init_scores", stage1_dir])
     out_dir = _export_dir(stage2)
+    if not stage2.trainer.is_global_zero:
+        return 0  # multi-GPU: rank 0 reports, evaluates and pushes
     wall = time.perf_counter() - start
     loss2 = stage2.model.final_distill_loss
     stats = ChannelMask.from_dir(out_dir).stats()

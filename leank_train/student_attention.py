@@ -3,9 +3,14 @@
 One registered function serves every family (llama, qwen2, qwen3, mistral, ...): each family's
 attention module calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v,
 mask, **kwargs)`` with the ``**kwargs`` given to the model's forward, so the per-step state
-(channel scales, sink/recent sizes) travels as one forward kwarg, ``leank_student``, and the layer
-comes from ``module.layer_idx``. Without that kwarg the function is plain SDPA, so the model can
-keep this implementation set for the teacher pass too.
+travels as one forward kwarg, ``leank_student``, and the layer comes from ``module.layer_idx``:
+
+- ``TeacherState``: the teacher pass (full attention, SDPA) records every layer's post-RoPE K/V;
+- ``StudentState``: the student pass (answer tokens only) attends to the recorded context K/V plus
+  its own keys with the LeanK rule. Passing the context through the state rather than a KV cache
+  keeps the student pass free of side effects, so activation checkpointing may replay it.
+Without that kwarg the function is plain SDPA. With a sequence-parallel group in the state, the
+exchange of :mod:`leank_train.sequence_parallel` wraps both (Ulysses: heads sharded, whole sequence).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from leank_infer.attention import softcapped_attention
 from leank_infer.masked_attention import leank_attention
 
+from . import sequence_parallel as sp
+
 ATTN_IMPLEMENTATION = "leank_student"
 STATE_KWARG = "leank_student"
 
@@ -34,6 +41,17 @@ class StudentState:
     recent_size: int
     skip_zero_heads: bool = False  # stage 2: heads with no kept channel ignore their middle, as at decode
     dense_layers: frozenset[int] = frozenset()  # sliding-window layers: the model's own attention, no LeanK
+    # per layer (K, V) of the context, post-RoPE, [1, kv_heads (or this rank's shard), context, D]
+    context: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    group: Any = None  # sequence-parallel process group: context holds this rank's KV heads
+
+
+@dataclass
+class TeacherState:
+    """The teacher pass: full causal attention; every layer's post-RoPE (K, V) is recorded for the student."""
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    group: Any = None  # sequence-parallel group: q/k/v come sequence-sharded, K/V are recorded head-sharded
 
 
 def leank_student_attention(
@@ -44,41 +62,135 @@ def leank_student_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    leank_student: StudentState | None = None,
+    leank_student: StudentState | TeacherState | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """LeanK attention for the queries of this call against all cached keys; dense when no state is given.
+    """Teacher (record K/V, dense), student (LeanK rule vs the recorded context), or plain dense attention.
 
-    The queries are the last ``Q`` of the ``K`` keys (the answer tokens after a cached context), so
-    query ``i`` sits at position ``K - Q + i``; causality and the sink/middle/recent split follow
-    from positions alone, and the transformers mask is not needed. Dense means SDPA with the
-    model's mask (sliding window included), or :func:`softcapped_attention` when the model
-    soft-caps its logits (Gemma 2): the teacher pass, and the student's dense layers.
+    Student: the queries are the answer tokens at positions ``C .. C+Q-1`` after a context of
+    ``C`` recorded keys; causality and the sink/middle/recent split follow from positions alone,
+    so the transformers mask is not needed. Dense means SDPA with the model's mask, or
+    :func:`softcapped_attention` when the model soft-caps its logits (Gemma 2); the student's dense
+    (sliding-window) layers attend densely to the recorded context under the window.
     """
     softcap = kwargs.pop("softcap", None)
-    if leank_student is None or module.layer_idx in leank_student.dense_layers:
-        if softcap is not None:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return softcapped_attention(query, key, value, attention_mask, scale, softcap), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    state = leank_student
+    if isinstance(state, TeacherState):
+        return _teacher(module, query, key, value, attention_mask, scaling, state, softcap, **kwargs)
+    if state is None:
+        return _dense(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("the LeanK student pass runs one sequence at a time (batch size 1)")
-    q_len, k_len = query.shape[2], key.shape[2]
-    positions = torch.arange(k_len - q_len, k_len, device=query.device)
+    if state.context is None:
+        raise ValueError("the student pass needs the context K/V recorded by the teacher pass")
+    layer = module.layer_idx
+    ctx_k, ctx_v = state.context[layer]
+    if layer in state.dense_layers:
+        return _dense_after_context(module, query, key, value, ctx_k, ctx_v, scaling, softcap, **kwargs)
+    channel_scale = state.channel_scale[layer]
+    group = state.group
+    if group is not None:
+        # replicated answer tokens -> this rank's heads (gradients summed over the group on the way back)
+        query, key, value, channel_scale = (sp.copy_to_group(t, group) for t in (query, key, value, channel_scale))
+        query = query[:, sp.head_slice(query.shape[1], group)]
+        kv_heads = sp.head_slice(key.shape[1], group)
+        key, value, channel_scale = key[:, kv_heads], value[:, kv_heads], channel_scale[kv_heads]
+    q_len, c_len = query.shape[2], ctx_k.shape[2]
+    keys = torch.cat([ctx_k.to(key.dtype), key], dim=2)
+    values = torch.cat([ctx_v.to(value.dtype), value], dim=2)
+    positions = torch.arange(c_len, c_len + q_len, device=query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = leank_attention(
         query,
-        key,
-        value,
-        leank_student.channel_scale[module.layer_idx],
+        keys,
+        values,
+        channel_scale,
         positions,
-        leank_student.sink_size,
-        leank_student.recent_size,
+        state.sink_size,
+        state.recent_size,
         scale,
-        skip_zero_heads=leank_student.skip_zero_heads,
+        skip_zero_heads=state.skip_zero_heads,
         softcap=softcap,
     )
+    if group is not None:
+        out = sp.gather_heads(out, group, dim=2)  # [1, Q, Hq, D] on every rank
     return out, None
+
+
+def _dense(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The model's own dense attention: SDPA, or the soft-capped path SDPA cannot take."""
+    if softcap is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return softcapped_attention(query, key, value, attention_mask, scale, softcap), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _dense_after_context(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A dense (sliding-window) layer of the student pass: the answer against context + itself, as the model would.
+
+    The model built its mask for the answer tokens alone (no cache), so the causal and window mask over
+    the recorded context is built here from positions (transformers' rule: key ``j`` is visible to the
+    query at ``p`` when ``j <= p`` and ``p - j < window``).
+    """
+    keys = torch.cat([ctx_k.to(key.dtype), key], dim=2)
+    values = torch.cat([ctx_v.to(value.dtype), value], dim=2)
+    q_len, k_len = query.shape[2], keys.shape[2]
+    q_pos = torch.arange(k_len - q_len, k_len, device=query.device).unsqueeze(-1)
+    k_pos = torch.arange(k_len, device=query.device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    window = kwargs.pop("sliding_window", None)
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    return _dense(module, query, keys, values, allowed[None, None], scaling, softcap, **kwargs)
+
+
+def _teacher(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    state: TeacherState,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Full attention of the teacher pass; records (K, V). Sequence parallel: Ulysses all-to-all over heads."""
+    if state.group is None:
+        state.kv[module.layer_idx] = (key, value)
+        return _dense(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+    if torch.is_grad_enabled():
+        raise RuntimeError("the sequence-parallel teacher pass runs without gradients (torch.no_grad)")
+    group = state.group
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("sequence parallelism does not support sliding-window attention layers")
+    if softcap is not None:
+        raise NotImplementedError("sequence parallelism does not support soft-capped attention (Gemma 2)")
+    q, k, v = (sp.seq_to_heads(t, group) for t in (query, key, value))  # my heads, whole (padded) sequence
+    state.kv[module.layer_idx] = (k, v)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return sp.heads_to_seq(out, group).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:

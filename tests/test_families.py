@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAMILIES, MORE_FAMILIES, tiny_config, tiny_model
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from leank_infer import ChannelMask, LeanKModel, MaskError
@@ -21,7 +20,6 @@ from leank_infer.attention import ChannelGroups, leank_decode_attention, softcap
 from leank_infer.cache import LeanKLayer
 from leank_infer.mask import binarize, dense_layers_of
 from leank_infer.triton_decode import decode_attention
-from leank_train.student_attention import ATTN_IMPLEMENTATION as STUDENT
 from leank_train.student_attention import StudentState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,11 +50,27 @@ def reference_steps(model, ids: torch.Tensor, n_prompt: int, mask: ChannelMask, 
     The prompt is attended densely (as a prefill is); token ``n_prompt + i`` then attends with the
     per-query rule at recent size ``recents[i]``, its own K/V going into the cache like a decode step's.
     """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from leank_train.student_attention import TeacherState, leank_student_attention
+
+    new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        """The student attention, also keeping each student step's own K/V (a decode step caches them)."""
+        if isinstance(kwargs.get("leank_student"), StudentState):
+            new_kv[module.layer_idx] = (key, value)
+        return leank_student_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("leank_student_rec", recording)
+    AttentionMaskInterface.register("leank_student_rec", sdpa_mask)
     impl = model.config._attn_implementation
-    model.set_attn_implementation(STUDENT)
+    model.set_attn_implementation("leank_student_rec")
     try:
-        cache = DynamicCache()
-        out = [model(ids[:, :n_prompt], cache=cache).logits[:, -1]]
+        record = TeacherState(kv={})
+        out = [model(ids[:, :n_prompt], use_cache=False, leank_student=record).logits[:, -1]]
+        context = [record.kv[i] for i in sorted(record.kv)]
         for i, recent in enumerate(recents):
             state = StudentState(
                 channel_scale=mask.keep.float(),
@@ -64,12 +78,15 @@ def reference_steps(model, ids: torch.Tensor, n_prompt: int, mask: ChannelMask, 
                 recent_size=recent,
                 skip_zero_heads=True,
                 dense_layers=frozenset(mask.dense_layers),
+                context=context,
             )
             p = n_prompt + i
             logits = model(
-                ids[:, p : p + 1], cache=cache, position_ids=torch.tensor([[p]]), leank_student=state
+                ids[:, p : p + 1], use_cache=False, position_ids=torch.tensor([[p]]), leank_student=state
             ).logits
             out.append(logits[:, -1])
+            context = [(torch.cat([k, new_kv[j][0]], 2), torch.cat([v, new_kv[j][1]], 2))
+                       for j, (k, v) in enumerate(context)]
         return out
     finally:
         model.set_attn_implementation(impl)

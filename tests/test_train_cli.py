@@ -15,7 +15,31 @@ RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
 def test_there_are_recipes():
     names = {p.stem for p in RECIPES}
-    assert {"smollm2-135m", "llama-3.1-8b", "qwen2.5-7b"} <= names
+    assert {"smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-7b-yarn"} <= names
+
+
+def test_yarn_recipe_passes_rope_scaling_to_the_model(capsys):
+    recipe = next(p for p in RECIPES if p.stem == "qwen2.5-7b-yarn")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", str(recipe), "--stage", "1", "--print_config"])
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert model["config_overrides"]["rope_parameters"]["rope_type"] == "yarn"
+    assert model["config_overrides"]["rope_parameters"]["factor"] == 4.0
+
+
+@pytest.mark.parametrize("recipe", [p for p in RECIPES if not p.stem.startswith("smollm2-135m")], ids=lambda p: p.stem)
+def test_gpu_recipes_take_the_scaling_flags(recipe, capsys):
+    # the README's 8-GPU / 2-node commands: devices, nodes and the sequence-parallel strategy parse
+    flags = ["--trainer.devices", "8", "--trainer.num_nodes", "2",
+             "--trainer.strategy", "leank_train.sequence_parallel.SequenceParallelStrategy",
+             "--trainer.strategy.sequence_parallel_size", "4"]
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", str(recipe), "--stage", "1", *flags, "--print_config"])
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert int(cfg["trainer"]["devices"]) == 8 and cfg["trainer"]["num_nodes"] == 2
+    assert cfg["trainer"]["strategy"]["class_path"].endswith("SequenceParallelStrategy")
+    assert cfg["trainer"]["strategy"]["init_args"]["sequence_parallel_size"] == 4
+    assert cfg["model"]["activation_checkpointing"] is True and cfg["model"]["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("stage", [1, 2])
