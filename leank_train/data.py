@@ -17,6 +17,7 @@ import json
 import random
 import re
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,13 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
+
+from .errors import RecipeError
+
+# ResumableSampler resumes mid-epoch at the right sample (tests/test_faults.py checks it step by step);
+# Lightning cannot see that from a plain DataLoader and warns on every mid-epoch resume.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _WORDS = (
@@ -99,11 +106,19 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
     if path.exists():
         files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
         if not files:
-            raise ValueError(f"haystack folder {path} holds no *.txt file")
+            raise RecipeError(f"haystack folder {path} holds no *.txt file")
         return " ".join(f.read_text(errors="replace") for f in files)[:max_chars]
+    if _looks_like_path(spec):
+        raise RecipeError(f"haystack {spec!r}: no such file or folder (data.haystacks)")
     from datasets import load_dataset
 
-    ds = load_dataset(spec, split="train", streaming=True)
+    try:
+        ds = load_dataset(spec, split="train", streaming=True)
+    except Exception as e:  # noqa: BLE001 - the Hub/network/format errors of `datasets` are many
+        raise RecipeError(
+            f"haystack {spec!r} is not a local file or folder, and loading it as a Hub dataset failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
     parts, size = [], 0
     for row in ds:
         text = row.get("text")
@@ -114,6 +129,15 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
         if size >= max_chars:
             break
     return " ".join(parts)[:max_chars]
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether a haystack name can only mean a local path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        spec.startswith(("/", ".", "~", "\\"))
+        or spec.count("/") > 1
+        or Path(spec).suffix.lower() in (".txt", ".md", ".json", ".jsonl", ".csv", ".parquet")
+    )
 
 
 def length_grid(min_length: int, max_length: int, intervals: int) -> list[int]:
@@ -136,8 +160,11 @@ class NeedleSampler:
         templates: list[NeedleTemplate],
         lengths: list[int],
         seed: int,
+        chat: bool | None = None,
     ) -> None:
+        """``chat``: True wraps prompts in the tokenizer's chat template, False never, None when it has one."""
         self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
         self.templates = templates
         self.lengths = lengths
         self.seed = seed
@@ -153,7 +180,7 @@ class NeedleSampler:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _prompt(self, user: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.chat:
             return self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
             )
@@ -217,6 +244,40 @@ def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[st
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
+def model_max_positions(base_model: str, revision: str | None = None, loader: dict[str, Any] | None = None) -> int | None:
+    """The base model's ``max_position_embeddings`` from its config alone (no weights), None if it has none."""
+    from transformers import AutoConfig
+
+    from leank_infer.loading import resolve_base_model
+
+    source, extra = resolve_base_model(base_model, loader)
+    kwargs = dict(extra)
+    if revision is not None and not Path(source).is_dir():
+        kwargs["revision"] = revision
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices ``0..n-1`` in order; the first pass starts at ``start`` (where a resumed epoch stopped).
+
+    Lightning restores the loop's progress but restarts a plain DataLoader at its first batch; this
+    sampler skips the batches the checkpointed epoch had already trained on, so a resumed run sees
+    the same sample at every step as an uninterrupted one. Later passes (epochs) start at 0.
+    """
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        self.n, self.start = n, start
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(range(start, self.n))
+
+
 class NeedleDataModule(L.LightningDataModule):
     """Needle-in-a-haystack retrieval prompts, one variable-length sequence per batch."""
 
@@ -233,6 +294,7 @@ class NeedleDataModule(L.LightningDataModule):
         num_samples: int = 256,
         seed: int = 0,
         num_workers: int = 0,
+        chat: bool | None = None,
     ) -> None:
         """
         Args:
@@ -245,6 +307,8 @@ class NeedleDataModule(L.LightningDataModule):
             num_samples: samples per epoch (Lightning cycles epochs until ``max_steps``).
             seed: the data seed; same seed, same samples.
             num_workers: DataLoader workers.
+            chat: True: prompts in the tokenizer's chat template (an error if it has none); False: plain
+                "question / Answer:" prompts; None: the chat template when the tokenizer has one.
         """
         super().__init__()
         self.save_hyperparameters(ignore=["templates"])
@@ -255,6 +319,7 @@ class NeedleDataModule(L.LightningDataModule):
         self.num_samples = num_samples
         self.seed = seed
         self.num_workers = num_workers
+        self.chat = chat
         self.tokenizer: Any = None
         self.train_set: Dataset | None = None
 
@@ -265,11 +330,11 @@ class NeedleDataModule(L.LightningDataModule):
         texts = {name: haystack_text(name) for name in self.haystack_names}
         seed = self.seed if seed is None else seed
         n = self.num_samples if num_samples is None else num_samples
-        sampler = NeedleSampler(self.tokenizer, texts, self.templates, self.lengths, seed)
+        sampler = NeedleSampler(self.tokenizer, texts, self.templates, self.lengths, seed, chat=self.chat)
         fingerprint = hashlib.sha1(
             json.dumps(
                 [seed, n, self.lengths, self.haystack_names, [asdict(t) for t in self.templates],
-                 getattr(self.tokenizer, "name_or_path", "")],
+                 getattr(self.tokenizer, "name_or_path", ""), sampler.chat],
                 sort_keys=True,
             ).encode()
         ).hexdigest()
@@ -281,14 +346,45 @@ class NeedleDataModule(L.LightningDataModule):
             desc="needle prompts",
         )
 
+    def check_inputs(self) -> None:
+        """Refuse, before anything is built or written, inputs that cannot work (each with one clear message)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.base_model, self.revision, self.loader)
+        if self.chat and not getattr(self.tokenizer, "chat_template", None):
+            raise RecipeError(
+                f"data.chat is true but the tokenizer of {self.base_model!r} has no chat template: "
+                "give a base model whose tokenizer has one, or set data.chat: false for plain prompts"
+            )
+        limit = model_max_positions(self.base_model, self.revision, self.loader)
+        if limit is not None and max(self.lengths) > limit:
+            raise RecipeError(
+                f"data.max_length={max(self.lengths)} is larger than the {limit} positions of {self.base_model!r} "
+                f"(max_position_embeddings): lower data.max_length (and data.min_length) to at most {limit}"
+            )
+        for name in self.haystack_names:
+            path = Path(name).expanduser()
+            if not path.exists() and _looks_like_path(name):
+                raise RecipeError(f"haystack {name!r}: no such file or folder (data.haystacks)")
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
+            self.check_inputs()
             self.train_set = self.build_dataset()
             self.train_set.set_format("torch", columns=["input_ids", "labels", "context_len"])
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(self.train_set, batch_size=1, shuffle=False, num_workers=self.num_workers)
+        sampler = ResumableSampler(len(self.train_set), self._resume_offset())
+        return DataLoader(self.train_set, batch_size=1, sampler=sampler, num_workers=self.num_workers)
+
+    def _resume_offset(self) -> int:
+        """Batches of the current epoch already trained on (non-zero only when resuming from a checkpoint)."""
+        trainer = self.trainer
+        if trainer is None or self.train_set is None or len(self.train_set) == 0:
+            return 0
+        # restored from the checkpoint before the dataloader is built; `processed` counts the step whose
+        # on_train_batch_end saved the checkpoint (`completed` is bumped only after that hook)
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed % len(self.train_set)
 
 
 def collate_check(batch: dict[str, torch.Tensor]) -> None:
