@@ -124,10 +124,6 @@ def written(folder: Path) -> list[str]:
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path):
     from leank_train.pipeline import main
 
-    # the reference: one uninterrupted run, in this process
-    ref = recipe(tmp_path / "ref", base)
-    assert main([str(ref)]) == 0
-
     # the same recipe plus a callback that hangs once mid-stage 2 (after the step-2 checkpoint)
     marker = tmp_path / "run" / "paused"
     pause = {"class_path": "test_faults.PauseOnce", "init_args": {"stage": 2, "step": 2, "marker": str(marker)}}
@@ -136,6 +132,11 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path):
     cmd = [sys.executable, "-m", "leank_infer.cli", "run", str(run)]
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    # meanwhile the reference: one uninterrupted run of the recipe without the callback, in this process
+    ref = recipe(tmp_path / "ref", base)
+    assert main([str(ref)]) == 0
+
     deadline = time.monotonic() + 180
     while not marker.exists():
         assert proc.poll() is None, (tmp_path / "first.log").read_text()
