@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -127,13 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextmanager
 def one_line_errors(prog: str) -> Iterator[None]:
-    """Print a bad input's message (RecipeError, MaskError, BaseModelError, NonFiniteError) as one line, exit 2.
+    """Print a bad input's message as one line and exit 2: our own input errors, Lightning's misconfigurations.
 
     Anything else is a bug and keeps its traceback.
     """
     try:
         yield
-    except (RecipeError, MaskError, BaseModelError, NonFiniteError) as e:
+    except (RecipeError, MaskError, BaseModelError, NonFiniteError, MisconfigurationException) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -37,6 +37,7 @@ pytestmark = [
     pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
     pytest.mark.filterwarnings("ignore:.*there is no last checkpoint available"),
+    pytest.mark.filterwarnings("ignore:You.re resuming from a checkpoint that ended before the epoch ended"),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,20 +131,23 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path):
     run = recipe(tmp_path / "run", base, {"stage2": {"trainer": {"callbacks": [pause]}}})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "leank_infer.cli", "run", str(run)]
-    log = (tmp_path / "first.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    with (tmp_path / "first.log").open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        # meanwhile the reference: one uninterrupted run of the recipe without the callback, in this process
+        ref = recipe(tmp_path / "ref", base)
+        assert main([str(ref)]) == 0
 
-    # meanwhile the reference: one uninterrupted run of the recipe without the callback, in this process
-    ref = recipe(tmp_path / "ref", base)
-    assert main([str(ref)]) == 0
-
-    deadline = time.monotonic() + 180
-    while not marker.exists():
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()
-        assert time.monotonic() < deadline, "the run never reached stage 2, step 2"
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()
+            assert time.monotonic() < deadline, "the run never reached stage 2, step 2"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert ChannelMask.from_dir(tmp_path / "run" / "stage1").scores is not None  # stage 1 had finished
     assert not (tmp_path / "run" / "final").exists()  # stage 2 had not
@@ -165,6 +169,33 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path):
     train = [json.loads((tmp_path / d / "final" / "config.json").read_text())["extra"]["training"]
              for d in ("ref", "run")]
     assert train[0] == train[1]  # same steps, same last-10-steps loss
+
+
+def test_rerun_skips_finished_stages_and_new_settings_start_afresh(base, tmp_path, capsys):
+    from leank_train.pipeline import main
+
+    path = str(recipe(tmp_path, base))
+    assert main([path]) == 0
+    capsys.readouterr()
+    final = (tmp_path / "final" / MASK_FILE).stat().st_mtime_ns
+
+    assert main([path]) == 0  # everything done: both stages skipped, nothing rewritten
+    out = capsys.readouterr().out
+    assert "stage 1 already done" in out and "stage 2 already done" in out
+    assert (tmp_path / "final" / MASK_FILE).stat().st_mtime_ns == final
+
+    # another stage-2 setting: stage 1 is still done, stage 2 trains afresh (not from the stale checkpoint)
+    assert main([path, "--stage2.trainer.max_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 1 already done" in out and "stage 2 already done" not in out and "resumes" not in out
+    assert ChannelMask.from_dir(tmp_path / "final").extra["training"]["steps"] == 3
+    assert len(list((tmp_path / "runs" / "checkpoints" / "stage2").iterdir())) == 2  # one folder per setting
+
+    # a damaged export is not "done": the stage runs again (resuming from its final checkpoint) and rewrites it
+    (tmp_path / "final" / MASK_FILE).write_bytes(b"garbage")
+    assert main([path, "--stage2.trainer.max_steps", "3"]) == 0
+    assert "stage 2 resumes from" in capsys.readouterr().out
+    assert ChannelMask.from_dir(tmp_path / "final").extra["training"]["steps"] == 3
 
 
 def _module(base: Path, **kwargs) -> LeanKDistillation:
@@ -297,8 +328,10 @@ def _leank(args: list[str], capsys) -> tuple[int, str]:
         ({"model": {"learning_rate": 0.1}}, r"learning_rate"),  # unknown key
         ({"data": {"num_samples": "many"}}, r"num_samples"),  # wrong type
         ({"trainer": {"max_stepz": 3}}, r"max_stepz"),
+        # checkpoints are what a rerun resumes from: turning them off is refused by Lightning, in one line
+        ({"trainer": {"enable_checkpointing": False}}, r"enable_checkpointing=False.*ModelCheckpoint"),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-trainer-key"],
+    ids=["unknown-key", "wrong-type", "unknown-trainer-key", "checkpointing-off"],
 )
 def test_bad_recipe_is_lightningclis_error(base, tmp_path, capsys, extra, message):
     path = recipe(tmp_path, base, extra)
