@@ -347,7 +347,10 @@ class NeedleDataModule(L.LightningDataModule):
         )
 
     def check_inputs(self) -> None:
-        """Refuse, before anything is built or written, inputs that cannot work (each with one clear message)."""
+        """Refuse, before anything is built or written, a tokenizer or lengths that cannot work (one clear message).
+
+        Haystack paths are checked as they are read (``haystack_text``), still before anything is written.
+        """
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.base_model, self.revision, self.loader)
         if self.chat and not getattr(self.tokenizer, "chat_template", None):
@@ -361,10 +364,6 @@ class NeedleDataModule(L.LightningDataModule):
                 f"data.max_length={max(self.lengths)} is larger than the {limit} positions of {self.base_model!r} "
                 f"(max_position_embeddings): lower data.max_length (and data.min_length) to at most {limit}"
             )
-        for name in self.haystack_names:
-            path = Path(name).expanduser()
-            if not path.exists() and _looks_like_path(name):
-                raise RecipeError(f"haystack {name!r}: no such file or folder (data.haystacks)")
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:

@@ -35,12 +35,13 @@ from .cli import one_line_errors, run_cli
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
 
-# settings that change neither the data, the steps nor the result: leaving them out of the
-# fingerprint lets a rerun with another logger, progress bar or evaluation still resume
+# settings that change neither the data, the steps nor the learned alpha: leaving them out of the
+# fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
+# (a new export.dirpath resumes from the final checkpoint and exports there)
 COSMETIC = {
     "config", "ckpt_path", "checkpoint", "evaluate", "push_to_hub", "stage1", "stage2",
     "trainer.logger", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-    "trainer.log_every_n_steps", "trainer.default_root_dir",
+    "trainer.log_every_n_steps", "trainer.default_root_dir", "export.dirpath", "data.num_workers",
 }
 FINISHED = "finished.json"
 
