@@ -42,13 +42,16 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 class LeanKCLI(LightningCLI):
     """LightningCLI with the mask export and checkpoint callbacks, the stage sections, and model -> data links.
 
-    ``checkpoint`` is Lightning's ``ModelCheckpoint`` (alpha + optimizer state, a few hundred KB):
-    with ``save_last: true`` and a fixed ``dirpath``, ``--ckpt_path last`` resumes a stage.
+    ``checkpoint`` is Lightning's ``ModelCheckpoint`` (alpha + optimizer state, under 1 MB), by default
+    ``last.ckpt`` every 10 steps: with a fixed ``dirpath``, ``--ckpt_path last`` resumes a stage.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ExportMask, "export")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # resumable by default, also for recipes without a `checkpoint:` section: last.ckpt every 10 steps
+        parser.set_defaults({"checkpoint.every_n_train_steps": 10, "checkpoint.save_last": True,
+                             "checkpoint.save_top_k": 0})
         parser.add_argument("--stage1", type=dict | None, default=None, help="stage-1 overrides (see --stage)")
         parser.add_argument("--stage2", type=dict | None, default=None, help="stage-2 overrides (see --stage)")
         # used by `leank run` after stage 2 (a plain `fit` ignores them)
