@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
                    help="runs per configuration, dense and LeanK alternating; the best is kept")
     p.add_argument("--estimate", metavar="MODEL_ID", default=None,
                    help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
+    p.add_argument("--plot", type=Path, default=None, help="also draw decode time vs context to this PNG")
     p.add_argument("--ratio", type=float, default=0.7, help="with --estimate: fraction of K channels pruned")
     p.add_argument("--zero-heads", type=float, default=0.0,
                    help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
     batches = [int(x) for x in args.batches.split(",")]
     new_tokens = max(3, args.new_tokens)
 
-    print(f"command: {prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
+    command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"command: {command}")
     mask, where = _mask(args.mask)
     if mask is None:
         model, _ = load_base_model("embedded", dtype=dtype)
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for ctx in contexts:
         for batch in batches:
             ids = torch.randint(
@@ -183,6 +186,12 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
                 + (f" | {peaks['dense']:>14.2f} {peaks['leank']:>14.2f}" if device.type == "cuda" else ""),
                 flush=True,
             )
+            rows.append({"context": ctx, "batch": batch, "dense_ms": dense["step_ms"], "leank_ms": leank["step_ms"]})
+    if args.plot:
+        from .plots import plot_decode_time
+
+        plot_decode_time(rows, args.plot, command)
+        print(f"plot: {args.plot}")
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes"
     )

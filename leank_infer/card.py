@@ -49,7 +49,7 @@ Figures from `python -c "from leank_infer import ChannelMask; print(ChannelMask.
 {usage}
 ```
 
-{results}## Recipe
+{results}{figures}## Recipe
 
 This mask was produced by `leank run` with this recipe:
 
@@ -118,8 +118,16 @@ def results_table(eval_results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] | None = None):
-    """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys."""
+def build_card(
+    mask: ChannelMask,
+    repo: str,
+    eval_results: list[dict[str, Any]] | None = None,
+    figures: dict[str, str] | None = None,
+):
+    """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys.
+
+    ``figures`` maps a PNG file of the repo to the command that drew it.
+    """
     import torch
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -172,24 +180,45 @@ def build_card(mask: ChannelMask, repo: str, eval_results: list[dict[str, Any]] 
         repo=repo,
         usage=USAGE.format(repo=repo),
         results=results_md,
+        figures="".join(f"![{name}]({name})\n\nDrawn by `{cmd}`\n\n" for name, cmd in (figures or {}).items()),
         recipe=(mask.recipe or "# (no recipe recorded)").rstrip(),
     )
     return ModelCard(text)
 
 
-def write_model_card(
-    folder: str | Path, eval_results: list[dict[str, Any]] | None = None, repo: str | None = None
-) -> None:
-    """Write README.md and pattern.png into a mask repo folder, from its mask files alone.
+EVAL_FILE = "eval.json"
 
+
+def write_model_card(
+    folder: str | Path,
+    eval_results: list[dict[str, Any]] | None = None,
+    repo: str | None = None,
+    figures: dict[str, str] | None = None,
+) -> None:
+    """Write README.md and pattern.png into a mask repo folder, from its files alone.
+
+    Evaluation rows and figures are kept in the folder's ``eval.json`` so that a later call (a new
+    figure, a re-run) adds to the card instead of dropping what an earlier command measured; new
+    ``eval_results`` replace the old rows, new ``figures`` are merged in. A re-export starts a fresh folder.
     The plot needs matplotlib (the ``train`` extra); without it the card is written alone.
     """
+    import json
+
     folder = Path(folder)
     mask = ChannelMask.from_dir(folder)
-    # default: the project's hub/ folder for this base model (export may write from a temporary folder)
-    repo = repo or f"hub/{(mask.base_model or folder.name).split('/')[-1].lower()}"
+    record_path = folder / EVAL_FILE
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if eval_results is not None:
+        record["results"] = eval_results
+    if figures:
+        record["figures"] = {**record.get("figures", {}), **figures}
+    if record:
+        tmp = record_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(record_path)
+    repo = repo or str(folder)  # the card's usage snippet loads the folder by the path it was given
     try:
         plot_pattern(mask, folder / "pattern.png")
     except ImportError as e:
         warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
-    build_card(mask, repo, eval_results).save(folder / "README.md")
+    build_card(mask, repo, record.get("results"), record.get("figures")).save(folder / "README.md")

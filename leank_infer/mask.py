@@ -59,28 +59,60 @@ def model_shape(model_config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, int(head_dim)
 
 
-def binarize(scores: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolation quantile of a 1-D tensor, without torch.quantile's 16M-element limit."""
+    flat = values.flatten().sort().values
+    pos = q * (flat.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, flat.numel() - 1)
+    return flat[lo] + (flat[hi] - flat[lo]) * (pos - lo)
+
+
+def _counts(s: torch.Tensor, threshold: torch.Tensor, align: int) -> torch.Tensor:
+    above = (s > threshold).sum(-1)
+    return torch.floor(above.float() / align + 0.5).long().mul(align).clamp(0, s.shape[-1])
+
+
+def binarize(scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0) -> torch.Tensor:
     """LeanK's binarisation (LEANK.md, stage 2): global quantile, per-head count rounded to ``align``, top-k.
 
     The threshold is the ``ratio``-quantile of all scores; a head keeps
     ``round(#scores above threshold / align) * align`` channels, namely its highest-scoring ones.
     Ties are broken by channel index, so the result is deterministic.
+
+    ``min_kept > 0`` favours whole-head pruning: a head that would keep fewer than ``min_kept``
+    channels keeps none (its V is then dropped too), and the channel budget it frees goes to the
+    other heads (the threshold is recomputed over the heads still in play until none drops out).
     """
     if scores.ndim != 3:
         raise MaskError(f"scores must be [layers, kv_heads, head_dim], got shape {tuple(scores.shape)}")
     head_dim = scores.shape[-1]
     check_ratio_align(ratio, align, head_dim)
+    if not 0 <= min_kept <= head_dim:
+        raise MaskError(f"min_kept must be in [0, head_dim={head_dim}], got {min_kept}")
     s = scores.detach().float().cpu()
     if not torch.isfinite(s).all():
         raise MaskError("scores contain NaN or inf; cannot binarise")
-    flat = s.flatten().sort().values
-    # quantile with linear interpolation, without torch.quantile's 16M-element limit
-    pos = ratio * (flat.numel() - 1)
-    lo = int(pos)
-    hi = min(lo + 1, flat.numel() - 1)
-    threshold = flat[lo] + (flat[hi] - flat[lo]) * (pos - lo)
-    above = (s > threshold).sum(-1)
-    counts = torch.floor(above.float() / align + 0.5).long().mul(align).clamp(0, head_dim)
+    counts = _counts(s, _quantile(s, ratio), align)
+    if min_kept > 0:
+        # the total kept falls as the threshold rises: bisect for the threshold whose total is nearest the budget
+        budget = (1 - ratio) * s.numel()
+        flat = s.flatten().sort().values
+
+        def total(i: int) -> torch.Tensor:
+            c = _counts(s, flat[i], align)
+            return c * (c >= min_kept)
+
+        lo, hi = 0, flat.numel() - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if total(mid).sum() <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        counts = total(lo)
+        if lo > 0 and abs(total(lo - 1).sum() - budget) < abs(counts.sum() - budget):
+            counts = total(lo - 1)
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(head_dim).expand_as(order).contiguous())
@@ -160,9 +192,11 @@ class ChannelMask:
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
-    def from_scores(cls, scores: torch.Tensor, ratio: float = 0.7, align: int = 32, **meta: Any) -> ChannelMask:
+    def from_scores(
+        cls, scores: torch.Tensor, ratio: float = 0.7, align: int = 32, min_kept: int = 0, **meta: Any
+    ) -> ChannelMask:
         """Binarise learned scalers with LeanK's rule (see :func:`binarize`); ``meta`` fills the other fields."""
-        keep = binarize(scores, ratio, align)
+        keep = binarize(scores, ratio, align, min_kept)
         return cls(keep=keep, scores=scores, ratio=float(ratio), align=int(align), **meta)
 
     @classmethod

@@ -325,9 +325,48 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequence[int] = (1024, 2048),
+                samples: int = 6, kinds: Sequence[str] = KINDS, seed: int = 1234,
+                sentences: list[str] | None = None) -> dict[str, Any]:
+    """Accuracy and KV bytes per token of several masks of one base model, on the same probes.
+
+    The full model is evaluated once; each mask decodes the same probes (same seed) with ``lm``'s model.
+    """
+    from leank_infer import LeanKModel
+
+    sentences = sentences or haystack_sentences()
+    full = evaluate(lm, lengths, samples, kinds, ["full"], seed, kl=False, sentences=sentences)
+    rows = []
+    for name, mask in masks:
+        res = evaluate(LeanKModel(lm.model, mask, lm.tokenizer), lengths, samples, kinds, ["leank"], seed,
+                       kl=False, sentences=sentences)
+        s = mask.stats(dtype=torch.bfloat16)
+        rows.append({"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
+                     "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
+                     "accuracy": res["accuracy"]["leank"], "answers": res["answers"]})
+    return {"full": full["accuracy"]["full"], "masks": rows, "lengths": list(lengths), "samples_per_length": samples}
+
+
+def format_sweep(sweep: dict[str, Any]) -> str:
+    lengths = sweep["lengths"]
+    head = "| mask | ratio | K kept | V kept | zero heads | KV bytes/token (bf16) | " + " | ".join(
+        f"{n} tok" for n in lengths) + " |"
+    lines = [head, "|---" * (6 + len(lengths)) + "|"]
+    dense = sweep["masks"][0]["bytes_per_token"]["dense"]
+    lines.append("| full model | 0 | 100% | 100% | 0 | " + f"{dense:,} | "
+                 + " | ".join(f"{sweep['full'][n]:.2f}" for n in lengths) + " |")
+    for r in sorted(sweep["masks"], key=lambda r: r["ratio"]):
+        b = r["bytes_per_token"]
+        lines.append(f"| {r['mask']} | {r['ratio']:g} | {r['k_kept']:.1%} | {r['v_kept']:.1%} | {r['zero_heads']} | "
+                     f"{b['leank']:,} ({b['ratio']:.2f}x) | " + " | ".join(f"{r['accuracy'][n]:.2f}" for n in lengths)
+                     + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="leank eval", description="Retrieval accuracy full vs LeanK vs baselines.")
-    p.add_argument("mask", help="mask repo folder or Hub id")
+    p.add_argument("mask", nargs="+",
+                   help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
     p.add_argument("--revision", default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--samples", type=int, default=6, help="probes per length (kinds alternate)")
@@ -336,18 +375,51 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-kl", action="store_true", help="skip the next-token KL measurement")
     p.add_argument("--json", type=Path, default=None, help="write results (with every answer) to this file")
-    p.add_argument("--card", action="store_true", help="rewrite the mask folder's model card with these results")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep")
+    p.add_argument("--card", action="store_true",
+                   help="rewrite the mask folder's model card with these results (and the plot, if drawn)")
     args = p.parse_args(argv)
     from leank_infer import LeanKModel
+    from leank_infer.plots import plot_accuracy, plot_ratio_sweep
 
-    lm = LeanKModel.from_pretrained(args.mask, revision=args.revision)
-    res = evaluate(lm, args.lengths, args.samples, args.kinds, args.methods, args.seed, kl=not args.no_kl)
     cmd = "leank eval " + " ".join(argv)
-    if args.card:
-        settings = EvalSettings(True, args.lengths, args.samples, args.methods, args.seed, not args.no_kl)
-        write_model_card(args.mask, card_results(res, settings.command(args.mask)))
+    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    if len(args.mask) > 1:
+        masks = [(args.mask[0], lm.mask)]
+        for path in args.mask[1:]:
+            mask = ChannelMask.from_pretrained(path, revision=args.revision)
+            if mask.base_model != lm.mask.base_model:
+                raise SystemExit(f"leank eval: a sweep needs one base model; {path} is for {mask.base_model!r}, "
+                                 f"{args.mask[0]} for {lm.mask.base_model!r}")
+            mask.validate(lm.model.config)
+            masks.append((path, mask))
+        res = ratio_sweep(lm, masks, args.lengths, args.samples, args.kinds, args.seed)
+        table = format_sweep(res)
+        if args.plot:
+            plot_ratio_sweep(res, args.plot, cmd)
+    else:
+        res = evaluate(lm, args.lengths, args.samples, args.kinds, args.methods, args.seed, kl=not args.no_kl)
+        table = format_table(res)
+        if args.plot:
+            plot_accuracy(res, args.plot, cmd)
+        if args.card:
+            settings = EvalSettings(True, args.lengths, args.samples, args.methods, args.seed, not args.no_kl)
+            figures = {args.plot.name: cmd} if args.plot else None
+            write_model_card(args.mask[0], card_results(res, settings.command(args.mask[0])), figures=figures)
+    if args.card and len(args.mask) > 1:
+        for path, _ in masks:
+            figures = {args.plot.name: cmd} if args.plot else {}
+            write_model_card(path, figures=figures)
+    if args.card and args.plot:
+        import shutil
+
+        for path in args.mask:
+            target = Path(path) / args.plot.name
+            if Path(path).is_dir() and target.resolve() != args.plot.resolve():
+                shutil.copyfile(args.plot, target)
     print(f"\n`{cmd}`\n")
-    print(format_table(res))
+    print(table)
     if args.json:
         args.json.write_text(json.dumps({"command": cmd, **res}, indent=2))
     return 0

@@ -27,7 +27,7 @@ def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         mask.save_pretrained(tmp)
-        write_model_card(tmp, eval_results)
+        write_model_card(tmp, eval_results, repo=str(folder))
         # mkdtemp/mkstemp create private (0700/0600) entries: give the repo ordinary permissions
         umask = os.umask(0)
         os.umask(umask)

@@ -42,9 +42,9 @@ class BinaryMaskSTE(torch.autograd.Function):
         return grad, None
 
 
-def binary_ste(alpha: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
+def binary_ste(alpha: torch.Tensor, ratio: float, align: int, min_kept: int = 0) -> torch.Tensor:
     """LeanK's binarisation of ``alpha`` in the forward pass, identity gradient to ``alpha``."""
-    binary = binarize(alpha.detach(), ratio, align).to(alpha.device)
+    binary = binarize(alpha.detach(), ratio, align, min_kept).to(alpha.device)
     return BinaryMaskSTE.apply(alpha, binary)
 
 
@@ -96,6 +96,9 @@ class LeanKDistillation(L.LightningModule):
         reg_weight: float = 0.06,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        ratio_start: float | None = None,
+        ratio_anneal_steps: int = 0,
+        min_kept: int = 0,
     ) -> None:
         """
         Args:
@@ -113,6 +116,10 @@ class LeanKDistillation(L.LightningModule):
             reg_weight: weight of mean(|alpha|) (stage 1; usually 0 in stage 2).
             warmup_steps: linear warmup steps.
             min_lr_ratio: cosine decay floor, as a fraction of ``lr``.
+            ratio_start: stage 2 only: binarise at this ratio first and anneal linearly to ``ratio``
+                over ``ratio_anneal_steps`` steps (higher ratios need the mask to get there gradually).
+            ratio_anneal_steps: length of that anneal in optimizer steps (0: ``ratio`` from the start).
+            min_kept: favour whole-head pruning: a head keeping fewer channels keeps none (see ``binarize``).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -129,6 +136,8 @@ class LeanKDistillation(L.LightningModule):
                 f"model.init_scores={init_scores} does not exist: stage 2 starts from the stage-1 mask folder "
                 "(run stage 1 first; `leank run` chains both)"
             )
+        if ratio_start is not None and not 0 <= ratio_start < 1:
+            raise ValueError(f"ratio_start must be in [0, 1), got {ratio_start}")
 
     # ---- model ---------------------------------------------------------------------------
     @classmethod
@@ -187,10 +196,18 @@ class LeanKDistillation(L.LightningModule):
         return [StopOnNonFinite()]
 
     # ---- the step ------------------------------------------------------------------------
+    def current_ratio(self) -> float:
+        """The binarisation ratio at this step: ``ratio``, or on the way there from ``ratio_start``."""
+        start, steps, target = self.hparams.ratio_start, self.hparams.ratio_anneal_steps, self.hparams.ratio
+        if start is None or steps <= 0:
+            return target
+        step = self.trainer.global_step if self._trainer is not None else steps
+        return start + (target - start) * min(1.0, step / steps)
+
     def channel_scale(self) -> torch.Tensor:
         """What multiplies middle-key channels now: alpha (stage 1) or its binarisation with STE (stage 2)."""
         if self.hparams.stage == 2:
-            return binary_ste(self.alpha, self.hparams.ratio, self.hparams.align)
+            return binary_ste(self.alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept)
         return self.alpha
 
     def hidden_states(self, input_ids: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,9 +262,10 @@ class LeanKDistillation(L.LightningModule):
         self.log("train/reg_loss", self.reg_loss, on_step=True, on_epoch=False)
         with torch.no_grad():
             alpha = self.alpha.detach().clamp(0, 1)
-            counts = binarize(alpha, self.hparams.ratio, self.hparams.align).sum(-1)
+            counts = binarize(alpha, self.current_ratio(), self.hparams.align, self.hparams.min_kept).sum(-1)
             self.log_dict(
                 {
+                    "train/ratio": self.current_ratio(),
                     "train/alpha_mean": alpha.mean(),
                     "train/alpha_below_0.1": (alpha < 0.1).float().mean(),
                     "train/k_kept_fraction": counts.sum() / alpha.numel(),
@@ -282,4 +300,6 @@ class LeanKDistillation(L.LightningModule):
         meta.setdefault("base_revision", self.hparams.revision)
         meta.setdefault("loader", dict(self.hparams.loader or {}))
         alpha = self.alpha.detach().clamp(0, 1).cpu()
-        return ChannelMask.from_scores(alpha, ratio=self.hparams.ratio, align=self.hparams.align, **meta)
+        return ChannelMask.from_scores(
+            alpha, ratio=self.hparams.ratio, align=self.hparams.align, min_kept=self.hparams.min_kept, **meta
+        )

@@ -12,7 +12,10 @@ from leank_infer.cli import main
 
 def test_bench_prints_dense_and_leank_side_by_side(tmp_path, capsys):
     mask_dir, _ = tiny_repo(tmp_path)
-    assert main(["bench", str(mask_dir), "--contexts", "96", "--batches", "1,2", "--new-tokens", "4"]) == 0
+    plot = tmp_path / "decode.png"
+    assert main(["bench", str(mask_dir), "--contexts", "96", "--batches", "1,2", "--new-tokens", "4",
+                 "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert out.startswith("command: leank bench ")
     rows = [line for line in out.splitlines() if re.match(r"\s+96\s+[12] \|", line)]

@@ -55,3 +55,26 @@ def test_evaluate_runs_every_method(tmp_path):
                    sentences=["w5 w6 w7 w8 w9 w10 w11 w12."] * 20)
     assert set(res["accuracy"]) == {"full", "leank", "random", "think"}
     assert len(res["answers"]) == 2 and all(0.0 <= v[48] <= 1.0 for v in res["accuracy"].values())
+
+
+def test_eval_cli_plot_and_card_keep_earlier_results(tmp_path, capsys):
+    import json
+
+    from leank_train.evaluate import main
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    plot, out = tmp_path / "acc.png", tmp_path / "res.json"
+    argv = [str(mask_dir), "--lengths", "40", "56", "--samples", "1", "--kinds", "passkey", "--methods", "full",
+            "leank", "--seed", "0", "--no-kl", "--plot", str(plot), "--json", str(out), "--card"]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert set(res["accuracy"]) == {"full", "leank"} and set(res["accuracy"]["leank"]) == {"40", "56"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (mask_dir / "acc.png").is_file()
+    card = (mask_dir / "README.md").read_text()
+    assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card
+    # a later figure-only card write (e.g. a ratio sweep) keeps the results table
+    from leank_infer.card import write_model_card
+
+    write_model_card(mask_dir, figures={"other.png": "leank eval x y"})
+    card = (mask_dir / "README.md").read_text()
+    assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card and "`leank eval x y`" in card

@@ -20,7 +20,7 @@ from leank_infer.cli import main as leank
 from leank_infer.mask import MASK_FILE, MaskError
 
 REPO = "tester/leank-smollm2"
-CARD_FILES = {"mask.safetensors", "config.json", "README.md", "pattern.png"}
+CARD_FILES = {"mask.safetensors", "config.json", "README.md", "eval.json", "pattern.png"}
 
 
 def make_mask(seed: int, base: str = "HuggingFaceTB/SmolLM2-135M-Instruct") -> ChannelMask:
@@ -102,7 +102,7 @@ def titles(revision: str = "main") -> list[str]:
 def test_push_uploads_the_folder_in_one_commit(hub: FakeHub, folder: Path) -> None:
     mask = ChannelMask.from_dir(folder)
     info = mask.push_to_hub(REPO, folder=folder, commit_message="first mask")
-    # a new repo: the Hub's initial commit, then exactly one commit with all four files
+    # a new repo: the Hub's initial commit, then exactly one commit with all five files
     assert titles() == ["first mask", "initial commit"]
     repo = hub.repos[REPO]
     head = repo.commits[info.oid]
