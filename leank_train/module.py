@@ -131,13 +131,13 @@ class LeanKDistillation(L.LightningModule):
         self.recent_distill: list[float] = []  # the last steps' losses: one step of batch 1 is noisy
         if stage == 2 and init_scores is None:
             raise RecipeError("stage 2 starts from stage-1 scores: set model.init_scores")
+        if ratio_start is not None and not 0 <= ratio_start < 1:
+            raise ValueError(f"ratio_start must be in [0, 1), got {ratio_start}")
         if init_scores is not None and not Path(init_scores).exists():
             raise RecipeError(
                 f"model.init_scores={init_scores} does not exist: stage 2 starts from the stage-1 mask folder "
                 "(run stage 1 first; `leank run` chains both)"
             )
-        if ratio_start is not None and not 0 <= ratio_start < 1:
-            raise ValueError(f"ratio_start must be in [0, 1), got {ratio_start}")
 
     # ---- model ---------------------------------------------------------------------------
     @classmethod
