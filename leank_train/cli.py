@@ -14,27 +14,44 @@ Without ``--stage`` the top level runs as is (the recipes make it stage 1). ``le
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from leank_infer.loading import BaseModelError
+from leank_infer.mask import MaskError
+
 from .data import NeedleDataModule
+from .errors import RecipeError
 from .evaluate import EvalSettings
 from .export import ExportMask
+from .finite import NonFiniteError
 from .module import LeanKDistillation
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 class LeanKCLI(LightningCLI):
-    """LightningCLI with the mask export callback, the stage sections, and model -> data links."""
+    """LightningCLI with the mask export and checkpoint callbacks, the stage sections, and model -> data links.
+
+    ``checkpoint`` is Lightning's ``ModelCheckpoint`` (alpha + optimizer state, under 1 MB), by default
+    ``last.ckpt`` every 10 steps: with a fixed ``dirpath``, ``--ckpt_path last`` resumes a stage.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ExportMask, "export")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # resumable by default, also for recipes without a `checkpoint:` section: last.ckpt every 10 steps
+        parser.set_defaults({"checkpoint.every_n_train_steps": 10, "checkpoint.save_last": True,
+                             "checkpoint.save_top_k": 0})
         parser.add_argument("--stage1", type=dict | None, default=None, help="stage-1 overrides (see --stage)")
         parser.add_argument("--stage2", type=dict | None, default=None, help="stage-2 overrides (see --stage)")
         # used by `leank run` after stage 2 (a plain `fit` ignores them)
@@ -104,13 +121,25 @@ def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry of ``leank fit``: a LightningCLI command line; ``fit`` is implied when no subcommand leads."""
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in SUBCOMMANDS:
         args = ["fit", *args]
-    run_cli(args)
+    with one_line_errors("leank fit"):
+        run_cli(args)
     return 0
+
+
+@contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """Print a bad input's message as one line and exit 2: our own input errors, Lightning's misconfigurations.
+
+    Anything else is a bug and keeps its traceback.
+    """
+    try:
+        yield
+    except (RecipeError, MaskError, BaseModelError, NonFiniteError, MisconfigurationException) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +27,12 @@ import lightning as L
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
+
+from .errors import RecipeError
+
+# ResumableSampler resumes mid-epoch at the right sample (tests/test_faults.py checks it step by step);
+# Lightning cannot see that from a plain DataLoader and warns on every mid-epoch resume.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _WORDS = (
@@ -99,11 +107,19 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
     if path.exists():
         files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
         if not files:
-            raise ValueError(f"haystack folder {path} holds no *.txt file")
+            raise RecipeError(f"haystack folder {path} holds no *.txt file")
         return " ".join(f.read_text(errors="replace") for f in files)[:max_chars]
+    if _looks_like_path(spec):
+        raise RecipeError(f"haystack {spec!r}: no such file or folder (data.haystacks)")
     from datasets import load_dataset
 
-    ds = load_dataset(spec, split="train", streaming=True)
+    try:
+        ds = load_dataset(spec, split="train", streaming=True)
+    except Exception as e:  # noqa: BLE001 - the Hub/network/format errors of `datasets` are many
+        raise RecipeError(
+            f"haystack {spec!r} is not a local file or folder, and loading it as a Hub dataset failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
     parts, size = [], 0
     for row in ds:
         text = row.get("text")
@@ -114,6 +130,15 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
         if size >= max_chars:
             break
     return " ".join(parts)[:max_chars]
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether a haystack name can only mean a local path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        spec.startswith(("/", ".", "~", "\\"))
+        or spec.count("/") > 1
+        or Path(spec).suffix.lower() in (".txt", ".md", ".json", ".jsonl", ".csv", ".parquet")
+    )
 
 
 def length_grid(min_length: int, max_length: int, intervals: int) -> list[int]:
@@ -136,8 +161,11 @@ class NeedleSampler:
         templates: list[NeedleTemplate],
         lengths: list[int],
         seed: int,
+        chat: bool | None = None,
     ) -> None:
+        """``chat``: True wraps prompts in the tokenizer's chat template, False never, None when it has one."""
         self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
         self.templates = templates
         self.lengths = lengths
         self.seed = seed
@@ -153,7 +181,7 @@ class NeedleSampler:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _prompt(self, user: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.chat:
             return self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
             )
@@ -217,6 +245,48 @@ def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[st
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
+def model_max_positions(base_model: str, revision: str | None = None, loader: dict[str, Any] | None = None) -> int | None:
+    """The base model's ``max_position_embeddings`` from its config alone (no weights), None if it has none."""
+    from transformers import AutoConfig
+
+    from leank_infer.loading import resolve_base_model
+
+    source, extra = resolve_base_model(base_model, loader)
+    kwargs = dict(extra)
+    if revision is not None and not Path(source).is_dir():
+        kwargs["revision"] = revision
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+class ResumableSampler(DistributedSampler):
+    """Indices in order, this data-parallel rank's share; the first pass starts at ``start``.
+
+    Rank ``r`` of ``world`` gets samples ``r, r + world, ...`` (padded from the start to equal shares, as
+    ``DistributedSampler`` does, but never shuffled: Lightning would inject a shuffled one for training),
+    so ``world`` processes x batch 1 see exactly what one process x batch ``world`` sees. Lightning
+    restores the loop's progress but restarts a plain DataLoader at its first batch; skipping ``start``
+    samples on the first pass makes a resumed run see the same sample at every step as an
+    uninterrupted one. Later passes (epochs) start at 0. It is a ``DistributedSampler`` so that Lightning
+    keeps it instead of wrapping it in a shuffled one.
+    """
+
+    def __init__(self, n: int, start: int = 0, rank: int = 0, world: int = 1) -> None:
+        super().__init__(range(n), num_replicas=world, rank=rank, shuffle=False)
+        indices = list(range(n))
+        if world > 1 and n:
+            indices += indices[: (-n) % world]
+        self.indices, self.start = indices[rank::world], start
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(self.indices[start:])
+
+
 class NeedleDataModule(L.LightningDataModule):
     """Needle-in-a-haystack retrieval prompts, one variable-length sequence per batch."""
 
@@ -234,6 +304,7 @@ class NeedleDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         batch_size: int = 1,
+        chat: bool | None = None,
     ) -> None:
         """
         Args:
@@ -248,6 +319,8 @@ class NeedleDataModule(L.LightningDataModule):
             num_workers: DataLoader workers.
             batch_size: samples per step and process (padded by ``collate_needles``; the module loops
                 over them). The order is fixed: see ``train_dataloader``.
+            chat: True: prompts in the tokenizer's chat template (an error if it has none); False: plain
+                "question / Answer:" prompts; None: the chat template when the tokenizer has one.
         """
         super().__init__()
         self.save_hyperparameters(ignore=["templates"])
@@ -261,6 +334,7 @@ class NeedleDataModule(L.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
+        self.chat = chat
         self.tokenizer: Any = None
         self.train_set: Dataset | None = None
 
@@ -271,11 +345,11 @@ class NeedleDataModule(L.LightningDataModule):
         texts = {name: haystack_text(name) for name in self.haystack_names}
         seed = self.seed if seed is None else seed
         n = self.num_samples if num_samples is None else num_samples
-        sampler = NeedleSampler(self.tokenizer, texts, self.templates, self.lengths, seed)
+        sampler = NeedleSampler(self.tokenizer, texts, self.templates, self.lengths, seed, chat=self.chat)
         fingerprint = hashlib.sha1(
             json.dumps(
                 [seed, n, self.lengths, self.haystack_names, [asdict(t) for t in self.templates],
-                 getattr(self.tokenizer, "name_or_path", "")],
+                 getattr(self.tokenizer, "name_or_path", ""), sampler.chat],
                 sort_keys=True,
             ).encode()
         ).hexdigest()
@@ -287,8 +361,28 @@ class NeedleDataModule(L.LightningDataModule):
             desc="needle prompts",
         )
 
+    def check_inputs(self) -> None:
+        """Refuse, before anything is built or written, a tokenizer or lengths that cannot work (one clear message).
+
+        Haystack paths are checked as they are read (``haystack_text``), still before anything is written.
+        """
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.base_model, self.revision, self.loader)
+        if self.chat and not getattr(self.tokenizer, "chat_template", None):
+            raise RecipeError(
+                f"data.chat is true but the tokenizer of {self.base_model!r} has no chat template: "
+                "give a base model whose tokenizer has one, or set data.chat: false for plain prompts"
+            )
+        limit = model_max_positions(self.base_model, self.revision, self.loader)
+        if limit is not None and max(self.lengths) > limit:
+            raise RecipeError(
+                f"data.max_length={max(self.lengths)} is larger than the {limit} positions of {self.base_model!r} "
+                f"(max_position_embeddings): lower data.max_length (and data.min_length) to at most {limit}"
+            )
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
+            self.check_inputs()
             self.train_set = self.build_dataset()
             self.train_set.set_format("torch", columns=["input_ids", "labels", "context_len"])
 
@@ -300,19 +394,29 @@ class NeedleDataModule(L.LightningDataModule):
         are i.i.d. draws of ``(seed, index)``: shuffling would add nothing). Sequence-parallel ranks
         of one group share a data-parallel rank, hence their sample."""
         assert self.train_set is not None, "call setup() first"
-        sampler = None
         trainer = self.trainer
-        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        if kwargs is not None:
-            sampler = DistributedSampler(self.train_set, shuffle=False, **kwargs)
+        kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        sampler = ResumableSampler(
+            len(self.train_set), 0, rank=kwargs.get("rank", 0), world=kwargs.get("num_replicas", 1)
+        )
+        sampler.start = self._resume_offset(len(sampler)) * self.batch_size
         return DataLoader(
             self.train_set,
             batch_size=self.batch_size,
             sampler=sampler,
-            shuffle=False if sampler is None else None,
             num_workers=self.num_workers,
             collate_fn=collate_needles,
         )
+
+    def _resume_offset(self, per_process: int) -> int:
+        """Batches of the current epoch already trained on (non-zero only when resuming from a checkpoint)."""
+        trainer = self.trainer
+        if trainer is None or per_process == 0:
+            return 0
+        # restored from the checkpoint before the dataloader is built; `processed` counts the step whose
+        # on_train_batch_end saved the checkpoint (`completed` is bumped only after that hook)
+        batches = math.ceil(per_process / self.batch_size)
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed % batches
 
 
 def collate_needles(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

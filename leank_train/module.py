@@ -25,6 +25,8 @@ from torchmetrics import MeanMetric
 from leank_infer.mask import ChannelMask, MaskError, binarize, dense_layers_of, model_shape
 
 from . import sequence_parallel as sp
+from .errors import RecipeError
+from .finite import StopOnNonFinite
 from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState, TeacherState
 from .student_attention import register as register_attention
 
@@ -146,9 +148,14 @@ class LeanKDistillation(L.LightningModule):
         self.reg_loss = MeanMetric()
         self.recent_distill: list[float] = []  # the last steps' losses: one step of batch 1 is noisy
         if stage == 2 and init_scores is None:
-            raise ValueError("stage 2 starts from stage-1 scores: set model.init_scores")
+            raise RecipeError("stage 2 starts from stage-1 scores: set model.init_scores")
         if ratio_start is not None and not 0 <= ratio_start < 1:
             raise ValueError(f"ratio_start must be in [0, 1), got {ratio_start}")
+        if init_scores is not None and not Path(init_scores).exists():
+            raise RecipeError(
+                f"model.init_scores={init_scores} does not exist: stage 2 starts from the stage-1 mask folder "
+                "(run stage 1 first; `leank run` chains both)"
+            )
 
     # ---- model ---------------------------------------------------------------------------
     @classmethod
@@ -213,6 +220,14 @@ class LeanKDistillation(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Only alpha is learned: keep the frozen base model's weights out of Lightning checkpoints.
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("llm.")}
+        checkpoint["leank_recent_distill"] = list(self.recent_distill)  # so a resumed run reports the same loss
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.recent_distill = list(checkpoint.get("leank_recent_distill", []))
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """A NaN/inf loss or alpha stops training before it reaches a checkpoint (``leank_train.finite``)."""
+        return [StopOnNonFinite()]
 
     # ---- the step ------------------------------------------------------------------------
     def current_ratio(self) -> float:

@@ -4,19 +4,47 @@ Each stage is the LightningCLI run ``fit --config RECIPE --stage N`` (see :mod:`
 Overrides ``--key value`` go to both stages; ``--stage1.key value`` / ``--stage2.key value`` to one.
 Stage 2 starts from the mask folder stage 1 exported (``--model.init_scores`` is set to it), and
 stage 2's export is the recipe's output mask repo.
+
+Rerunning the same command after an interruption (kill -9, power loss) loses nothing: each stage
+checkpoints to ``<checkpoint.dirpath>/<fingerprint>/last.ckpt`` (Lightning's ``ModelCheckpoint``,
+every ``checkpoint.every_n_train_steps`` steps) and runs with ``--ckpt_path last``, so an unfinished
+stage resumes from its last checkpoint; a stage whose mask folder was exported by a run of the same
+settings (a ``finished.json`` next to its checkpoints, and the folder loads) is skipped. The
+fingerprint hashes the resolved stage config (minus logging and evaluation settings) and, for
+stage 2, the stage-1 scores it starts from: changed settings never resume from a stale checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from leank_infer.mask import ChannelMask
+import yaml
+from lightning.pytorch.utilities import rank_zero_only
 
-from .cli import run_cli
+from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
+
+from .cli import one_line_errors, run_cli
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
+
+# settings that change neither the data, the steps nor the learned alpha: leaving them out of the
+# fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
+# (a new export.dirpath resumes from the final checkpoint and exports there)
+COSMETIC = {
+    "config", "ckpt_path", "checkpoint", "evaluate", "push_to_hub", "stage1", "stage2",
+    "trainer.logger", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+    "trainer.log_every_n_steps", "trainer.default_root_dir", "export.dirpath", "data.num_workers",
+}
+FINISHED = "finished.json"
 
 
 def split_overrides(args: Sequence[str]) -> dict[int, list[str]]:
@@ -56,27 +84,101 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
+def _drop(tree: dict[str, Any], dotted: str) -> None:
+    head, _, rest = dotted.partition(".")
+    if rest and isinstance(tree.get(head), dict):
+        _drop(tree[head], rest)
+    elif not rest:
+        tree.pop(head, None)
+
+
+def stage_fingerprint(config: dict[str, Any], init_scores: str | None = None) -> str:
+    """Hash of what determines a stage's result: its resolved config and the scores it starts from."""
+    tree = json.loads(json.dumps(config, default=str))
+    for key in COSMETIC:
+        _drop(tree, key)
+    digest = hashlib.sha256(json.dumps(tree, sort_keys=True).encode())
+    if init_scores is not None:
+        path = Path(init_scores)
+        path = path / MASK_FILE if path.is_dir() else path
+        digest.update(path.read_bytes() if path.is_file() else b"missing")
+    return digest.hexdigest()[:16]
+
+
+def _complete(folder: str | None) -> bool:
+    if not folder:
+        return False
+    try:
+        ChannelMask.from_dir(folder)
+    except MaskError:
+        return False
+    return True
+
+
+def run_stage(recipe: str, stage: int, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """Run (or resume, or skip) one stage of a recipe; returns (its export folder, its resolved config)."""
+    args = ["--config", recipe, "--stage", str(stage), *overrides]
+    probe = run_cli(args, run=False)  # parse + instantiate (nothing is loaded or written): the resolved config
+    cfg = yaml.safe_load(probe.parser.dump(probe.config, skip_none=False))
+    export_dir = (cfg.get("export") or {}).get("dirpath")
+    if not export_dir:
+        raise SystemExit(f"leank run: stage {stage} writes no mask folder: set export.dirpath in the recipe")
+    fingerprint = stage_fingerprint(cfg, (cfg.get("model") or {}).get("init_scores") if stage == 2 else None)
+    root = (cfg.get("checkpoint") or {}).get("dirpath") or os.path.join(
+        (cfg.get("trainer") or {}).get("default_root_dir") or ".", "checkpoints", f"stage{stage}"
+    )
+    ckpt_dir = Path(root) / fingerprint
+    finished = ckpt_dir / FINISHED
+    if finished.is_file() and json.loads(finished.read_text()).get("export") == export_dir and _complete(export_dir):
+        print(f"[leank run] stage {stage} already done with these settings: {export_dir} (skipped)", flush=True)
+        return export_dir, cfg
+    last = sorted(ckpt_dir.glob("last*.ckpt"))
+    if last:
+        print(f"[leank run] stage {stage} resumes from {last[-1]}", flush=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+        cli = run_cli(["fit", *args, "--checkpoint.dirpath", str(ckpt_dir), "--ckpt_path", "last"])
+    out = _export_dir(cli)
+    if cli.trainer.is_global_zero:
+        _write_json(finished, {"export": export_dir, "fingerprint": fingerprint,
+                               "steps": int(cli.trainer.global_step)})
+    return out, cfg
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _training_loss(folder: str) -> float | None:
+    return (ChannelMask.from_dir(folder).extra.get("training") or {}).get("final_distill_loss_last10")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a recipe end to end and print wall time, final distillation loss and what the mask keeps."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    recipe, overrides = args[0], split_overrides(args[1:])
-    start = time.perf_counter()
+    with one_line_errors("leank run"):
+        return _run(args[0], split_overrides(args[1:]))
 
-    stage1 = run_cli(["fit", "--config", recipe, "--stage", "1", *overrides[1]])
-    stage1_dir = _export_dir(stage1)
+
+def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
+    start = time.perf_counter()
+    stage1_dir, _ = run_stage(recipe, 1, overrides[1])
     t1 = time.perf_counter() - start
-    loss1 = stage1.model.final_distill_loss
+    loss1 = _training_loss(stage1_dir)
     print(f"[leank run] stage 1 done in {t1:.0f} s, mask scores in {stage1_dir}", flush=True)
 
-    stage2 = run_cli(["fit", "--config", recipe, "--stage", "2", *overrides[2], "--model.init_scores", stage1_dir])
-    out_dir = _export_dir(stage2)
-    if not stage2.trainer.is_global_zero:
+    out_dir, cfg = run_stage(recipe, 2, [*overrides[2], "--model.init_scores", stage1_dir])
+    if rank_zero_only.rank != 0:
         return 0  # multi-GPU: rank 0 reports, evaluates and pushes
     wall = time.perf_counter() - start
-    loss2 = stage2.model.final_distill_loss
+    loss2 = _training_loss(out_dir)
     stats = ChannelMask.from_dir(out_dir).stats()
     print(
         "[leank run] done\n"
@@ -88,12 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  mask repo          {out_dir}",
         flush=True,
     )
-    cfg = stage2.config["fit"] if "fit" in stage2.config else stage2.config
-    settings = EvalSettings(**vars(cfg.evaluate))
+    settings = EvalSettings(**cfg["evaluate"])
     if settings.enabled:
         _evaluate_into_card(out_dir, settings)
-    if cfg.push_to_hub:
-        info = ChannelMask.from_dir(out_dir).push_to_hub(cfg.push_to_hub, folder=out_dir)
+    if cfg.get("push_to_hub"):
+        info = ChannelMask.from_dir(out_dir).push_to_hub(cfg["push_to_hub"], folder=out_dir)
         print(f"[leank run] pushed to {info}", flush=True)
     return 0
 

@@ -19,7 +19,7 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
     from leank_infer.cli import main
 
     overrides = [
-        "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.max_steps", "2", "--trainer.logger", "false",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
         "--data.num_samples", "2", "--data.min_length", "300", "--data.max_length", "400",
         "--stage1.export.dirpath", str(tmp_path / "stage1"), "--stage2.export.dirpath", str(tmp_path / "final"),
