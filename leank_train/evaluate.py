@@ -408,9 +408,15 @@ def main(argv: Sequence[str]) -> int:
             figures = {args.plot.name: cmd} if args.plot else None
             write_model_card(args.mask[0], card_results(res, settings.command(args.mask[0])), figures=figures)
     if args.card and len(args.mask) > 1:
-        for path, _ in masks:
+        from leank_infer.card import EVAL_FILE
+
+        for path, row in zip(args.mask, res["masks"], strict=True):
             figures = {args.plot.name: cmd} if args.plot else {}
-            write_model_card(path, figures=figures)
+            # a card keeps the rows it has (e.g. a single-mask eval with baselines); one without gets the sweep's
+            rows = None
+            if not (Path(path) / EVAL_FILE).is_file() or "results" not in json.loads((Path(path) / EVAL_FILE).read_text()):
+                rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
+            write_model_card(path, rows, figures=figures)
     if args.card and args.plot:
         import shutil
 

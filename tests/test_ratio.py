@@ -76,6 +76,9 @@ def test_eval_sweep_cli_table_plot_json_and_cards(tmp_path, capsys):
     other = ChannelMask.from_scores(torch.rand(base.keep.shape, generator=torch.Generator().manual_seed(5)), 0.75, 4,
                                     sink_size=4, recent_size=8, accumu_size=4, base_model=base.base_model)
     other_dir = other.save_pretrained(tmp_path / "mask75")
+    from leank_infer.card import write_model_card
+
+    write_model_card(other_dir, [{"dataset": "earlier eval", "metric": "accuracy (think)", "value": 0.25}])
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
     argv = [str(mask_dir), str(other_dir), "--lengths", "48", "--samples", "2", "--kinds", "passkey",
             "--seed", "0", "--plot", str(plot), "--json", str(out), "--card"]
@@ -90,6 +93,10 @@ def test_eval_sweep_cli_table_plot_json_and_cards(tmp_path, capsys):
         card = (folder / "README.md").read_text()
         assert "![sweep.png](sweep.png)" in card and "leank eval " in card
         assert (folder / "sweep.png").is_file()
+    # a card without results gets the sweep's rows; one with results keeps its own
+    assert "accuracy (leank)" in (mask_dir / "README.md").read_text()
+    other_card = (other_dir / "README.md").read_text()
+    assert "accuracy (think)" in other_card and "accuracy (leank)" not in other_card
     table = capsys.readouterr().out
     assert "| full model |" in table and "0.75" in table
 
