@@ -276,10 +276,10 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
         caches = {"full": DynamicCache(config=model.config), "leank": lm.new_cache()}
         logp = {}
         for name, cache in caches.items():
-            out = model(input_ids=seq[:, :context], past_key_values=cache, use_cache=True)
+            out = model(input_ids=seq[:, :context], cache=cache, use_cache=True)
             rows = [out.logits[:, -1]]
             for t in range(context, context + steps - 1):
-                rows.append(model(input_ids=seq[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+                rows.append(model(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
             logp[name] = torch.log_softmax(torch.cat(rows).float(), -1)
         kls.append((logp["full"].exp() * (logp["full"] - logp["leank"])).sum(-1).mean())
     return float(torch.stack(kls).mean()) if kls else float("nan")
