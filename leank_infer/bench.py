@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
     p.add_argument("--estimate", metavar="MODEL_ID", default=None,
                    help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
     p.add_argument("--plot", type=Path, default=None, help="also draw decode time vs context to this PNG")
+    p.add_argument("--card", action="store_true",
+                   help="with --plot and a mask folder: put the figure (and this command) in the mask's model card")
     p.add_argument("--ratio", type=float, default=0.7, help="with --estimate: fraction of K channels pruned")
     p.add_argument("--zero-heads", type=float, default=0.0,
                    help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
@@ -195,6 +197,15 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
 
         plot_decode_time(rows, args.plot, command)
         print(f"plot: {args.plot}")
+        if args.card and args.mask and Path(args.mask).is_dir():
+            import shutil
+
+            from .card import write_model_card
+
+            target = Path(args.mask) / args.plot.name
+            if target.resolve() != args.plot.resolve():
+                shutil.copyfile(args.plot, target)
+            write_model_card(args.mask, figures={args.plot.name: command})
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes"
     )
