@@ -63,9 +63,8 @@ def model_shape(model_config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, int(head_dim)
 
 
-def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
-    """Linear-interpolation quantile of a 1-D tensor, without torch.quantile's 16M-element limit."""
-    flat = values.flatten().sort().values
+def _quantile(flat: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolation quantile of an already sorted 1-D tensor, without torch.quantile's 16M-element limit."""
     pos = q * (flat.numel() - 1)
     lo = int(pos)
     hi = min(lo + 1, flat.numel() - 1)
