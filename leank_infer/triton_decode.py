@@ -26,8 +26,9 @@ Masks are the reference's (``head_full``/``head_mid``/``mid_mask``/``tail_mask``
 strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row pattern works
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
 the load. Not supported, and sent to the PyTorch path: ``q_len > 1`` (prefill-like chunks, or
-speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, attention
-logit soft-capping (Gemma 2's ``softcap``: exact on the PyTorch path, not in these kernels).
+speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, a
+non-positive ``softcap``. Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
+of the score step (:func:`_logits`): models without it compile the plain kernel.
 """
 
 from __future__ import annotations  # kernel annotations stay strings ("tl.constexpr"): triton reads them so
@@ -101,6 +102,19 @@ def _online_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
 
 
 @_jit
+def _logits(s, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """Raw ``q.k`` dots -> base-2 logits: ``s * scale * log2e``, or with soft-capping (Gemma 2)
+    ``cap * tanh(s * scale / cap) * log2e`` (then ``qk_scale`` is ``scale / cap``, ``cap_log2`` is
+    ``cap * log2e``). tanh from exp2 of ``-2|x|``: no overflow at any logit, and the sign restored."""
+    x = s * qk_scale
+    if SOFTCAP:
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        x = tl.where(x < 0, -t, t) * cap_log2
+    return x
+
+
+@_jit
 def _store_partial(
     ACC, M, L, acc, m_i, l_i, bh, slot, n_slots, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr
 ):
@@ -119,9 +133,9 @@ def _full_part(
     shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
     stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
     skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
-    head_len, head_pad, tail_len, split_len, n_kv_heads, n_slots, qk_scale,
+    head_len, head_pad, tail_len, split_len, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TAIL_MASK: tl.constexpr, PREC: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of (row b, KV head kvh, split) over the virtual sequence [head | pad | tail].
 
@@ -158,7 +172,7 @@ def _full_part(
         mid = tl.load(HMID + b * shm_b + j * shm_n, mask=ok, other=0) != 0
         s_full = tl.dot(q, k, input_precision=PREC)
         s_mid = tl.dot(q_kept, k, input_precision=PREC)
-        s = tl.where(mid[None, :], s_mid, s_full) * qk_scale
+        s = _logits(tl.where(mid[None, :], s_mid, s_full), qk_scale, cap_log2, SOFTCAP)
         s = tl.where((full | (mid & nonzero))[None, :], s, float("-inf"))
         v = tl.load(
             HV + b * shv_b + kvh * shv_h + j[:, None] * shv_n + offs_d[None, :] * shv_d,
@@ -178,7 +192,8 @@ def _full_part(
         ok = in_range
         if HAS_TAIL_MASK:
             ok = ok & (tl.load(TMASK + b * stm_b + j * stm_n, mask=in_range, other=0) != 0)
-        s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
+        s = _logits(tl.dot(q, k, input_precision=PREC), qk_scale, cap_log2, SOFTCAP)
+        s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(
             TV + b * stv_b + kvh * stv_h + j[:, None] * stv_n + offs_d[None, :] * stv_d,
             mask=in_range[:, None] & d_ok[None, :],
@@ -194,9 +209,10 @@ def _mid_part(
     Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, b, i, split,
     sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
-    mid_len, split_len, n_kv_heads, n_slots, slot_offset, qk_scale,
+    mid_len, split_len, n_kv_heads, n_slots, slot_offset, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of (row b, nonzero head i, split) over the compressed middle.
 
@@ -244,7 +260,8 @@ def _mid_part(
         ok = in_range
         if HAS_MID_MASK:
             ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
-        s = tl.where(ok[None, :], tl.dot(q, k, input_precision=PREC) * qk_scale, float("-inf"))
+        s = _logits(tl.dot(q, k, input_precision=PREC), qk_scale, cap_log2, SOFTCAP)
+        s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(
             MV + b * smv_b + i * smv_h + j[:, None] * smv_n + offs_d[None, :] * smv_d,
             mask=in_range[:, None] & d_ok[None, :],
@@ -275,10 +292,10 @@ def _partials_kernel(
     smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
     head_len, head_pad, tail_len, full_split_len, n_full_splits, n_full_programs,
-    mid_len, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale,
+    mid_len, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, PREC: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """All partials of a decode step in one launch: programs ``[0, n_full_programs)`` do the full parts
     of (row, KV head, split), the rest the middle of (row, nonzero head, split), every group included."""
@@ -292,8 +309,8 @@ def _partials_kernel(
             shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
             stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
             skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
-            head_len, head_pad, tail_len, full_split_len, n_kv_heads, n_slots, qk_scale,
-            G, D, BLOCK_G, BLOCK_D, BLOCK_N, HAS_TAIL_MASK, PREC,
+            head_len, head_pad, tail_len, full_split_len, n_kv_heads, n_slots, qk_scale, cap_log2,
+            G, D, BLOCK_G, BLOCK_D, BLOCK_N, HAS_TAIL_MASK, SOFTCAP, PREC,
         )  # fmt: skip
     else:
         p = pid - n_full_programs
@@ -303,8 +320,8 @@ def _partials_kernel(
             Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, bi // n_nonzero, bi % n_nonzero, split,
             sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
             STARTS, SIZES, COUNTS,
-            mid_len, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale,
-            G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, PREC,
+            mid_len, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale, cap_log2,
+            G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, SOFTCAP, PREC,
         )  # fmt: skip
 
 
@@ -410,8 +427,8 @@ def _unsupported(
     query: torch.Tensor, head_v: torch.Tensor, masks: Sequence[torch.Tensor | None], softcap: float | None = None
 ) -> str | None:
     """Why the kernel cannot run these inputs (the caller then uses the PyTorch path), or None."""
-    if softcap is not None:
-        return "attention logit soft-capping"
+    if softcap is not None and not softcap > 0:
+        return f"softcap {softcap} (not a positive cap)"
     if query.shape[2] != 1:
         return "q_len > 1"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -501,6 +518,10 @@ def triton_decode_attention(
         counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), mid_v
     else:  # no middle programs run: placeholders of the right types
         mk, mch, sizes, counts, starts, mv = (tail_k,), (groups.nonzero_order,), (0,), (0,), (0,), tail_v
+    if softcap is None:
+        qk_scale, cap_log2 = float(scaling) * _LOG2E, 1.0
+    else:  # cap * tanh(logit / cap), in base 2
+        qk_scale, cap_log2 = float(scaling) / float(softcap), float(softcap) * _LOG2E
     n_full_programs = b * hkv * s_full
     grid = (n_full_programs + b * n_nonzero * s_mid,)
     if grid[0]:  # else nothing is cached: the merge writes zeros
@@ -512,10 +533,11 @@ def triton_decode_attention(
             *mv.stride(), *(mm.stride() if mm is not None else (0, 0)),
             starts, sizes, counts,
             h, head_pad, t, full_split, s_full, n_full_programs,
-            n, mid_split, s_mid, n_nonzero, hkv, n_slots, float(scaling) * _LOG2E,
+            n, mid_split, s_mid, n_nonzero, hkv, n_slots, qk_scale, cap_log2,
             G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
             BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
             NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
+            SOFTCAP=softcap is not None,
             PREC="ieee" if query.dtype == torch.float32 else None,  # fp32: exact products, not TF32
             num_warps=NUM_WARPS,
             # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)
