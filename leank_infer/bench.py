@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cache import dynamic_cache_bytes
-from .loading import load_base_model
+from .loading import load_base_model, load_mask_base_model
 from .mask import ChannelMask, model_shape
 from .model import LeanKModel
 
@@ -137,10 +137,7 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
         scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
         mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
     else:
-        model, _ = load_base_model(
-            mask.base_model, mask.base_revision, mask.loader, dtype=dtype,
-            adapter=mask.adapter, adapter_revision=mask.adapter_revision,
-        )
+        model, _ = load_mask_base_model(mask, dtype=dtype)
     model.to(device)
     stats = mask.stats(dtype=dtype)
     print(

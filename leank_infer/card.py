@@ -28,7 +28,7 @@ A [LeanK](https://arxiv.org/abs/2508.02215) key-channel mask: a static, learned 
 channels of every attention head. Decoding with it keeps {k_pct:.1f}% of the K cache and
 {v_pct:.1f}% of the V cache for tokens outside the sink and recent windows, with full attention everywhere else.
 
-## Mask statistics
+{learned_on}## Mask statistics
 
 | | value |
 |---|---|
@@ -108,6 +108,25 @@ def plot_pattern(mask: ChannelMask, path: str | Path) -> Path:
     return out
 
 
+def learned_on(mask: ChannelMask) -> str:
+    """What the mask was learned on beyond the base model's id (revision, PEFT adapter, config
+    overrides such as YaRN), which ``LeanKModel.from_pretrained`` reproduces; "" when nothing more."""
+    import json
+
+    parts = []
+    if mask.base_revision:
+        parts.append(f"- base model revision: `{mask.base_revision}`")
+    if mask.adapter:
+        rev = f" at `{mask.adapter_revision}`" if mask.adapter_revision else ""
+        parts.append(f"- PEFT adapter `{mask.adapter}`{rev}, merged into the base weights")
+    for name, value in mask.config_overrides.items():
+        parts.append(f"- config override `{name}` = `{json.dumps(value)}`")
+    if not parts:
+        return ""
+    head = "Learned on, and loaded by `LeanKModel.from_pretrained` with:\n\n"
+    return head + "\n".join(parts) + "\n\n"
+
+
 def results_table(eval_results: list[dict[str, Any]]) -> str:
     """A markdown table: one row per metric, one column per dataset (e.g. methods x context lengths)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in eval_results))
@@ -164,6 +183,7 @@ def build_card(
     text = CARD_TEMPLATE.format(
         card_data=data.to_yaml(),
         base_model=mask.base_model or "its base model",
+        learned_on=learned_on(mask),
         k_pct=100 * s["k_kept_fraction"],
         v_pct=100 * s["v_kept_fraction"],
         zero_heads=s["zero_heads"],

@@ -200,3 +200,17 @@ def load_base_model(
         model = apply_adapter(model, adapter, adapter_revision)
     model.eval()
     return model, tok
+
+
+def load_mask_base_model(mask: Any, **hf_kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` the mask was learned on: its base model at its revision (loader hints
+    honoured), its PEFT adapter merged, its ``config_overrides`` (e.g. YaRN's ``rope_parameters``)
+    set at load. ``hf_kwargs`` go to ``from_pretrained`` and win over the recorded overrides."""
+    return load_base_model(
+        mask.base_model,
+        mask.base_revision,
+        mask.loader,
+        adapter=mask.adapter,
+        adapter_revision=mask.adapter_revision,
+        **{**mask.config_overrides, **hf_kwargs},
+    )

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-# Version 2 is written only for masks an older reader cannot honour (those naming a PEFT adapter: a
-# version-1 reader would load the bare base model and decode a model the mask was not learned on);
-# every other mask is still written as version 1. Both are read.
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# A version above 1 is written only for masks an older reader cannot honour, so that it refuses them
+# instead of loading the bare base model and decoding a model the mask was not learned on: 2 for a
+# mask naming a PEFT adapter, 3 for one with base-model config overrides (YaRN's rope_parameters),
+# which a version-2 reader would ignore. Every other mask is still written as version 1. All are read.
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MASK_FILE = "mask.safetensors"
 CONFIG_FILE = "config.json"
 REQUIRED_KEYS = (
@@ -95,6 +96,20 @@ def dense_layers_of(model_config: Any) -> tuple[int, ...]:
         if kind != "full_attention"
         and not (limit is not None and kw.get("sliding_window") is not None and kw["sliding_window"] >= limit)
     )
+
+
+def check_config_overrides(overrides: Any) -> dict[str, Any]:
+    """Base-model config attributes set at load (``{"rope_parameters": {...}}`` for YaRN): a JSON object
+    with string keys whose values survive ``json.dumps`` (they are written to config.json as they are)."""
+    if not isinstance(overrides, dict):
+        raise MaskError(f"config_overrides must be a JSON object (dict), got {type(overrides).__name__}")
+    bad = [k for k in overrides if not isinstance(k, str) or not k]
+    if bad:
+        raise MaskError(f"config_overrides keys must be attribute names (non-empty strings), got {bad}")
+    try:
+        return json.loads(json.dumps(overrides, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise MaskError(f"config_overrides must hold plain JSON values: {e}") from None
 
 
 def _check_dense_layers(dense_layers: Any, num_layers: int) -> tuple[int, ...]:
@@ -193,6 +208,7 @@ class ChannelMask:
     adapter: str | None = None
     adapter_revision: str | None = None
     dense_layers: tuple[int, ...] = ()
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, torch.Tensor) or self.keep.ndim != 3:
@@ -226,6 +242,7 @@ class ChannelMask:
             raise MaskError(f"accumu_size must be at least 1, got {self.accumu_size}")
         if self.adapter_revision is not None and self.adapter is None:
             raise MaskError("adapter_revision is set but adapter is not")
+        self.config_overrides = check_config_overrides(self.config_overrides)
         self.dense_layers = _check_dense_layers(self.dense_layers, self.num_layers)
         partial = [i for i in self.dense_layers if not bool(self.keep[i].all())]
         if partial:
@@ -327,13 +344,15 @@ class ChannelMask:
 
     # ---- files ------------------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:
-        """The ``config.json`` object; adapter and dense-layer fields appear only when set (old readers)."""
+        """The ``config.json`` object; adapter, override and dense-layer fields appear only when set (old readers)."""
         adapter = {"adapter": self.adapter, "adapter_revision": self.adapter_revision} if self.adapter else {}
+        overrides = {"config_overrides": dict(self.config_overrides)} if self.config_overrides else {}
         return {
-            "format_version": FORMAT_VERSION if self.adapter else 1,
+            "format_version": 3 if overrides else 2 if adapter else 1,
             "base_model": self.base_model,
             "base_revision": self.base_revision,
             **adapter,
+            **overrides,
             "loader": dict(self.loader),
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -423,6 +442,7 @@ class ChannelMask:
                 adapter=cfg.get("adapter"),
                 adapter_revision=cfg.get("adapter_revision"),
                 dense_layers=cfg.get("dense_layers") or (),
+                config_overrides=cfg.get("config_overrides") or {},
             )
         except MaskError as e:
             raise MaskError(f"{folder}: {e}") from None

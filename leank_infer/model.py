@@ -16,8 +16,26 @@ import torch
 
 from . import attention as _attention
 from .cache import LeanKCache
-from .loading import load_base_model
+from .loading import load_mask_base_model
 from .mask import ChannelMask, MaskError
+
+
+def _config_differences(config: Any, overrides: dict[str, Any]) -> list[str]:
+    """``"name: model has X, mask wants Y"`` for each override the model's config does not carry; a
+    dict override (``rope_parameters``) counts as carried when each of its keys has the wanted value
+    (transformers adds defaults of its own to such dicts)."""
+
+    def carried(have: Any, want: Any) -> bool:
+        if isinstance(want, dict):
+            return isinstance(have, dict) and all(carried(have.get(k), v) for k, v in want.items())
+        return have == want
+
+    out = []
+    for name, want in overrides.items():
+        have = getattr(config, name, None)
+        if not carried(have, want):
+            out.append(f"{name}: model has {have!r}, mask wants {want!r}")
+    return out
 
 
 def _same_model_id(a: str | None, b: str | None) -> bool:
@@ -60,6 +78,8 @@ class LeanKModel:
 
         A mask learned on a fine-tune names its PEFT adapter too (``mask.adapter``, at
         ``mask.adapter_revision``): it is loaded onto the base model and merged, as in training.
+        Config attributes the mask was learned with (``mask.config_overrides``, e.g. YaRN's
+        ``rope_parameters``) are set at load; ``hf_kwargs`` of the same name win.
 
         With ``model=`` given, that model is used as is: its shape must fit the mask, and its Hub
         id must be the mask's ``base_model`` (else ``MaskError``, before the model is touched).
@@ -68,14 +88,7 @@ class LeanKModel:
         """
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
-            model, loaded_tokenizer = load_base_model(
-                mask.base_model,
-                mask.base_revision,
-                mask.loader,
-                adapter=mask.adapter,
-                adapter_revision=mask.adapter_revision,
-                **hf_kwargs,
-            )
+            model, loaded_tokenizer = load_mask_base_model(mask, **hf_kwargs)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             mask.validate(model.config)
@@ -85,6 +98,13 @@ class LeanKModel:
                 if check_base_model:
                     raise MaskError(f"{message} (pass check_base_model=False to use it anyway)")
                 warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
+            differ = _config_differences(model.config, mask.config_overrides)
+            if differ:
+                warnings.warn(
+                    f"the mask was learned with config overrides the given model lacks ({'; '.join(differ)}): "
+                    "load it with them (they are kwargs of from_pretrained) or pass model=None",
+                    stacklevel=2,
+                )
         return cls(model, mask, tokenizer)
 
     # ---- decoding ------------------------------------------------------------------------------

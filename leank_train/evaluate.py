@@ -20,7 +20,7 @@ import json
 import random
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,24 +125,34 @@ def random_mask_like(mask: ChannelMask, seed: int = 0) -> ChannelMask:
 
 
 def _with_keep(mask: ChannelMask, keep: torch.Tensor) -> ChannelMask:
-    return ChannelMask(keep=keep, sink_size=mask.sink_size, recent_size=mask.recent_size,
-                       accumu_size=mask.accumu_size, ratio=mask.ratio, align=mask.align,
-                       base_model=mask.base_model, loader=mask.loader)
+    """``mask`` with another ``keep`` (no scores): sizes, base model, adapter, overrides and dense layers stay."""
+    return replace(mask, keep=keep, scores=None)
 
 
 _PROBE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """sdpa, recording each layer's post-RoPE queries and keys (for the ThinK baseline)."""
+    """sdpa (or, for soft-capped models such as Gemma 2, which sdpa refuses, the exact soft-capped
+    attention), recording each layer's post-RoPE queries and keys (for the ThinK baseline)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from leank_infer.attention import softcapped_attention
+
     _PROBE[module.layer_idx] = (query.detach(), key.detach())
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    softcap = kwargs.pop("softcap", None)
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    return softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
 
 
 def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: int = 32) -> ChannelMask:
-    """ThinK's query-driven selection for one prompt, at the learned mask's overall K budget."""
+    """ThinK's query-driven selection for one prompt, at the learned mask's K budget.
+
+    The budget is the learned mask's mean kept count over the layers it prunes; layers it leaves dense
+    (sliding-window layers: Gemma 2/3) stay dense here too, as LeanK's cache requires.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -156,9 +166,17 @@ def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: i
             model(input_ids=input_ids, use_cache=False)
     finally:
         model.set_attn_implementation(previous)
-    per_head = int(round(float(mask.keep.float().mean()) * mask.head_dim))
-    keep = torch.zeros_like(mask.keep)
+    pruned = [i for i in range(mask.num_layers) if i not in mask.dense_layers]
+    missed = sorted(set(pruned) - set(_PROBE))
+    if missed:  # those layers would stay whole: ThinK would spend more than LeanK's budget
+        _PROBE.clear()
+        raise RuntimeError(f"ThinK baseline: the probe saw no queries/keys of layers {missed}")
+    per_head = int(round(float(mask.keep[pruned].float().mean()) * mask.head_dim)) if pruned else mask.head_dim
+    keep = torch.ones_like(mask.keep)
     for layer, (q, k) in sorted(_PROBE.items()):
+        if layer in mask.dense_layers:
+            continue
+        keep[layer] = False
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         qn = q[:, :, -window:].float().reshape(b, hkv, hq // hkv, -1, d).pow(2).sum(dim=(0, 2, 3)).sqrt()
@@ -389,9 +407,13 @@ def main(argv: Sequence[str]) -> int:
         masks = [(args.mask[0], lm.mask)]
         for path in args.mask[1:]:
             mask = ChannelMask.from_pretrained(path, revision=args.revision)
-            if mask.base_model != lm.mask.base_model:
-                raise SystemExit(f"leank eval: a sweep needs one base model; {path} is for {mask.base_model!r}, "
-                                 f"{args.mask[0]} for {lm.mask.base_model!r}")
+            model_of = lambda m: (m.base_model, m.adapter, m.adapter_revision, m.config_overrides)  # noqa: E731
+            if model_of(mask) != model_of(lm.mask):
+                raise SystemExit(f"leank eval: a sweep needs one base model, adapter and config overrides; "
+                                 f"{path} is for {mask.base_model!r} "
+                                 f"(adapter {mask.adapter!r}, overrides {mask.config_overrides}), {args.mask[0]} "
+                                 f"for {lm.mask.base_model!r} (adapter {lm.mask.adapter!r}, "
+                                 f"overrides {lm.mask.config_overrides})")
             mask.validate(lm.model.config)
             masks.append((path, mask))
         res = ratio_sweep(lm, masks, args.lengths, args.samples, args.kinds, args.seed)

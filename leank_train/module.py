@@ -22,7 +22,14 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from leank_infer.mask import ChannelMask, MaskError, binarize, dense_layers_of, model_shape
+from leank_infer.mask import (
+    ChannelMask,
+    MaskError,
+    binarize,
+    check_config_overrides,
+    dense_layers_of,
+    model_shape,
+)
 
 from . import sequence_parallel as sp
 from .errors import RecipeError
@@ -151,6 +158,10 @@ class LeanKDistillation(L.LightningModule):
             raise RecipeError("stage 2 starts from stage-1 scores: set model.init_scores")
         if ratio_start is not None and not 0 <= ratio_start < 1:
             raise ValueError(f"ratio_start must be in [0, 1), got {ratio_start}")
+        try:  # they go into the mask's config.json at export: refuse what it cannot hold before training
+            check_config_overrides(config_overrides or {})
+        except MaskError as e:
+            raise RecipeError(f"model.{e}") from None
         if init_scores is not None and not Path(init_scores).exists():
             raise RecipeError(
                 f"model.init_scores={init_scores} does not exist: stage 2 starts from the stage-1 mask folder "
@@ -409,6 +420,7 @@ class LeanKDistillation(L.LightningModule):
         meta.setdefault("adapter", self.hparams.adapter)
         meta.setdefault("adapter_revision", self.hparams.adapter_revision)
         meta.setdefault("dense_layers", self.dense_layers)
+        meta.setdefault("config_overrides", dict(self.hparams.config_overrides or {}))
         alpha = self.alpha.detach().clamp(0, 1).cpu()
         return ChannelMask.from_scores(
             alpha, ratio=self.hparams.ratio, align=self.hparams.align, min_kept=self.hparams.min_kept, **meta

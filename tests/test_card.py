@@ -52,6 +52,25 @@ def test_card_without_results_or_known_license(tmp_path):
     assert "LeanKModel.from_pretrained(\"someone/leank-mask\")" in (tmp_path / "README.md").read_text()
 
 
+def test_card_names_what_the_mask_was_learned_on(tmp_path):
+    """Revision, PEFT adapter and config overrides (YaRN) appear in the card; a plain mask's card has no such list."""
+    from leank_infer.card import write_model_card
+
+    _mask_dir(tmp_path / "plain")
+    write_model_card(tmp_path / "plain")
+    assert "Learned on" not in (tmp_path / "plain" / "README.md").read_text()
+    g = torch.Generator().manual_seed(0)
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    ChannelMask.from_scores(
+        torch.rand(4, 3, 64, generator=g), 0.7, 16, base_model="org/base", base_revision="b1",
+        adapter="org/lora", adapter_revision="a2", config_overrides={"rope_parameters": yarn},
+    ).save_pretrained(tmp_path / "tuned")  # fmt: skip
+    write_model_card(tmp_path / "tuned")
+    text = (tmp_path / "tuned" / "README.md").read_text()
+    assert "Learned on" in text and "revision: `b1`" in text and "`org/lora` at `a2`" in text
+    assert '`rope_parameters` = `{"rope_type": "yarn", "factor": 4.0}`' in text
+
+
 def test_card_refuses_a_folder_without_mask(tmp_path):
     import pytest
 

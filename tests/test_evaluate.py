@@ -78,3 +78,36 @@ def test_eval_cli_plot_and_card_keep_earlier_results(tmp_path, capsys):
     write_model_card(mask_dir, figures={"other.png": "leank eval x y"})
     card = (mask_dir / "README.md").read_text()
     assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card and "`leank eval x y`" in card
+
+
+def test_baselines_keep_sliding_layers_dense_and_the_masks_metadata():
+    """Gemma 2: the baselines leave the mask's dense (sliding) layers whole, spend the learned mask's budget
+    on its pruned layers only, keep adapter/overrides, and decode through LeanKModel without a MaskError."""
+    from leank_infer.mask import dense_layers_of, model_shape
+
+    model = tiny_model("gemma2")
+    dense = dense_layers_of(model.config)
+    scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(2)) ** 2
+    mask = ChannelMask.from_scores(scores, 0.75, 4, dense_layers=dense, sink_size=4, recent_size=8, accumu_size=4,
+                                   config_overrides={"attn_logit_softcapping": 2.0})  # fmt: skip
+    assert dense == (0,)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    for base in (think_mask(model, ids, mask, window=8), random_mask_like(mask, seed=1)):
+        assert base.dense_layers == dense and bool(base.keep[0].all())
+        assert int(base.keep[1].sum()) == int(mask.keep[1].sum())  # 25% of layer 1's channels, as learned
+        assert base.config_overrides == mask.config_overrides and base.scores is None
+        lk = LeanKModel(model, base)
+        with torch.no_grad():
+            out = lk.generate(ids, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 43)
+
+
+def test_think_refuses_layers_its_probe_did_not_see():
+    """A pruned layer with no recorded q/k would stay whole and ThinK would outspend LeanK: one clear error."""
+    import pytest
+
+    model = tiny_model("llama")
+    mask = ChannelMask.from_scores(torch.rand(3, 2, 16, generator=torch.Generator().manual_seed(0)), 0.6, 4)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"layers \[2\]"):
+        think_mask(model, ids, mask, window=8)

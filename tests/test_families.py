@@ -191,9 +191,9 @@ def test_softcapped_attention_equals_transformers_eager():
     assert not torch.allclose(plain, got, atol=1e-3)
 
 
-def test_triton_dispatch_falls_back_to_torch_for_softcap():
-    """The kernel does not soft-cap: the dispatcher sends soft-capped steps to the PyTorch path, whatever the backend."""
-    pytest.importorskip("triton")
+def test_dispatch_honours_softcap():
+    """Every backend this process can run soft-caps (the Triton kernel's own check, in the interpreter,
+    is tests/test_triton_decode.py::test_softcap_in_the_kernel); the capped output differs from the plain one."""
     g = torch.Generator().manual_seed(1)
     keep = binarize(torch.rand(1, 2, 16, generator=g), 0.5, 4)[0]
     groups = ChannelGroups.from_keep(keep)
@@ -207,7 +207,7 @@ def test_triton_dispatch_falls_back_to_torch_for_softcap():
     )  # fmt: skip
     args = (q, hk, hv, tk, tv, mk, mv, groups)
     want = leank_decode_attention(*args, scaling=0.25, softcap=2.0, **masks)
-    for backend in ("triton", "auto", "torch"):
+    for backend in ("auto", "torch"):  # CPU tensors: auto is the PyTorch path
         got = decode_attention(*args, scaling=0.25, softcap=2.0, backend=backend, **masks)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert not torch.allclose(leank_decode_attention(*args, scaling=0.25, **masks), want, atol=1e-3)
@@ -395,3 +395,27 @@ def test_recipe_names_an_adapter(capsys):
         run_cli(["fit", "--config", str(recipe), "--stage", "1", *args])
     cfg = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (cfg["adapter"], cfg["adapter_revision"]) == ("org/my-lora", "v1")
+
+
+@pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
+def test_config_overrides_train_export_load(datamodule, tmp_path):
+    """A mask trained on a YaRN-extended base model records the override, and from_pretrained
+    decodes the model it was learned on (not the base model's own RoPE)."""
+    from leank_train.module import LeanKDistillation
+
+    base = tiny_model("llama", vocab_size=49152)
+    base.save_pretrained(tmp_path / "base")
+    datamodule.tokenizer.save_pretrained(tmp_path / "base")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
+    module = LeanKDistillation(
+        base_model=str(tmp_path / "base"), config_overrides={"rope_parameters": yarn}, **TRAIN
+    )
+    mask = _fit(module, datamodule, tmp_path)
+    assert mask.config_overrides == {"rope_parameters": yarn}
+    lk = LeanKModel.from_pretrained(tmp_path / "mask")
+    ids = prompt(40, seed=7)
+    with torch.no_grad():
+        want, plain = module.llm(ids).logits, base(ids).logits
+        got = lk(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-3)  # YaRN changes the model

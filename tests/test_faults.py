@@ -407,3 +407,11 @@ def test_tampered_mask_file(tmp_path, tamper):
                "scores-shape": "scores has shape", "no-keep": "no tensor named 'keep'"}[tamper]
     with pytest.raises(MaskError, match=pattern):
         ChannelMask.from_pretrained(tmp_path)
+
+
+def test_config_overrides_are_checked_before_training():
+    from leank_train.errors import RecipeError
+    from leank_train.module import LeanKDistillation
+
+    with pytest.raises(RecipeError, match="model.config_overrides must be a JSON object"):
+        LeanKDistillation(config_overrides=["rope_parameters"])

@@ -62,6 +62,38 @@ def test_save_load_round_trip(tmp_path):
     assert (back.sink_size, back.recent_size, back.accumu_size, back.recipe) == (4, 8, 2, "a: 1\n")
 
 
+def test_config_overrides_round_trip_and_version(tmp_path):
+    """Overrides (YaRN) are written only when set, and make the file version 3: an older reader (versions
+    1-2) would decode the base model without them, a model the mask was not learned on."""
+    yarn = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}}
+    random_mask().save_pretrained(tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / CONFIG_FILE).read_text())
+    assert plain["format_version"] == 1 and "config_overrides" not in plain
+    random_mask(config_overrides=yarn).save_pretrained(tmp_path / "yarn")
+    cfg = json.loads((tmp_path / "yarn" / CONFIG_FILE).read_text())
+    assert cfg["format_version"] == 3 and cfg["config_overrides"] == yarn
+    assert ChannelMask.from_pretrained(tmp_path / "yarn").config_overrides == yarn
+    assert ChannelMask.from_pretrained(tmp_path / "plain").config_overrides == {}
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [("yarn", "must be a JSON object"), ({"": 1}, "attribute names"), ({"rope_parameters": torch.ones(1)}, "plain JSON"),
+     ({"rope_theta": float("nan")}, "plain JSON")],
+    ids=["string", "empty-key", "tensor", "nan"],
+)
+def test_bad_config_overrides(tmp_path, overrides, match):
+    with pytest.raises(MaskError, match=match):
+        random_mask(config_overrides=overrides)
+    random_mask().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
+    if isinstance(overrides, str):  # the same check on a downloaded config.json names the folder
+        cfg["config_overrides"] = overrides
+        (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))
+        with pytest.raises(MaskError, match=f"{tmp_path.name}.*{match}"):
+            ChannelMask.from_pretrained(tmp_path)
+
+
 def test_saved_keep_is_uint8(tmp_path):
     from safetensors.torch import load_file
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,29 @@ def test_from_pretrained_with_model_checks_shape_and_base_model(tmp_path):
     with pytest.warns(UserWarning, match="org/some-model"):
         lk = LeanKModel.from_pretrained(mask_dir, model=given, check_base_model=False)
     assert lk.model is given
+
+
+def test_from_pretrained_applies_the_masks_config_overrides(tmp_path):
+    """A mask learned with YaRN loads its base model with YaRN (hf_kwargs of the same name win); a
+    given model without it is used, with a warning naming the override."""
+    mask_dir, _ = tiny_repo(tmp_path)
+    mask = ChannelMask.from_pretrained(mask_dir)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
+    mask.config_overrides = {"rope_parameters": yarn}
+    mask.save_pretrained(mask_dir)
+    lk = LeanKModel.from_pretrained(mask_dir)
+    rope = lk.model.config.rope_parameters
+    assert {k: rope[k] for k in yarn} == yarn
+    plain = LeanKModel.from_pretrained(mask_dir, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert plain.model.config.rope_parameters["rope_type"] == "default"
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # YaRN changes the model (attention temperature, rotary frequencies)
+        assert not torch.allclose(lk(ids).logits, plain(ids).logits, atol=1e-4)
+    with pytest.warns(UserWarning, match="rope_parameters: model has"):
+        LeanKModel.from_pretrained(mask_dir, model=plain.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LeanKModel.from_pretrained(mask_dir, model=lk.model)  # carries them: no warning
 
 
 @pytest.mark.slow

@@ -108,3 +108,9 @@ def test_eval_sweep_refuses_masks_of_another_model(tmp_path):
     other_dir = other.save_pretrained(tmp_path / "foreign")
     with pytest.raises(SystemExit, match="one base model"):
         eval_main([str(mask_dir), str(other_dir), "--lengths", "48", "--samples", "1"])
+    yarn = ChannelMask.from_dir(mask_dir)  # same base model, learned with YaRN: another model too
+    yarn.config_overrides = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    yarn_dir = yarn.save_pretrained(tmp_path / "yarn")
+    with pytest.raises(SystemExit, match="overrides"):
+        eval_main([str(mask_dir), str(yarn_dir), "--lengths", "48", "--samples", "1"])
+
