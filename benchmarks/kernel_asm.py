@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HOPPER_SMEM_PER_BLOCK = 227 * 1024  # the opt-in maximum of dynamic shared memory per block on sm_90
 ARCH = 90
 SM_COUNT = 132  # H100 SXM / H200
 
@@ -132,7 +131,6 @@ def describe(kernel: Any) -> dict[str, Any]:
         # largest N of "wait until at most N copy groups are pending": N >= 1 means later tiles are in
         # flight while one is computed (a software pipeline), 0 alone means none
         "groups_in_flight": max(waits, default=0),
-        "stages": kernel.metadata.num_stages,
         "shared_bytes": kernel.metadata.shared,
         **_ptxas_usage(ptx),
     }

@@ -310,6 +310,26 @@ def softcapped_attention(
     return out.view(b, hq, q_len, -1).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def dense_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The model's own dense attention: transformers' SDPA, or :func:`softcapped_attention` where the
+    model soft-caps its logits (Gemma 2), which SDPA refuses. ``kwargs`` (dropout, ...) go to SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return softcapped_attention(query, key, value, attention_mask, scale, softcap), None
+
+
 def leank_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -326,19 +346,12 @@ def leank_attention_forward(
     without a ``leank_layer`` and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
     path: :func:`softcapped_attention` instead of SDPA, and inside the LeanK decode.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     layer = kwargs.pop("leank_layer", None)
     softcap = kwargs.pop("softcap", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer is None or layer.prefill_pending:
-        if softcap is None:
-            out = sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        else:
-            out = softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
+        out = dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
         if layer is not None:
             layer.finish_prefill(row_starts(attention_mask, query.shape[0], query.device))
         return out

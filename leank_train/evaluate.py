@@ -135,16 +135,10 @@ _PROBE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa (or, for soft-capped models such as Gemma 2, which sdpa refuses, the exact soft-capped
     attention), recording each layer's post-RoPE queries and keys (for the ThinK baseline)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from leank_infer.attention import softcapped_attention
+    from leank_infer.attention import dense_attention
 
     _PROBE[module.layer_idx] = (query.detach(), key.detach())
-    softcap = kwargs.pop("softcap", None)
-    if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    return softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
+    return dense_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def think_mask(model: Any, input_ids: torch.Tensor, mask: ChannelMask, window: int = 32) -> ChannelMask:

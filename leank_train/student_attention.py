@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from leank_infer.attention import softcapped_attention
+from leank_infer.attention import dense_attention
 from leank_infer.masked_attention import leank_attention
 
 from . import sequence_parallel as sp
@@ -69,8 +68,8 @@ def leank_student_attention(
 
     Student: the queries are the answer tokens at positions ``C .. C+Q-1`` after a context of
     ``C`` recorded keys; causality and the sink/middle/recent split follow from positions alone,
-    so the transformers mask is not needed. Dense means SDPA with the model's mask, or
-    :func:`softcapped_attention` when the model soft-caps its logits (Gemma 2); the student's dense
+    so the transformers mask is not needed. Dense means :func:`dense_attention` with the model's mask
+    (SDPA, or the soft-capped path for Gemma 2); the student's dense
     (sliding-window) layers attend densely to the recorded context under the window.
     """
     softcap = kwargs.pop("softcap", None)
@@ -78,7 +77,7 @@ def leank_student_attention(
     if isinstance(state, TeacherState):
         return _teacher(module, query, key, value, attention_mask, scaling, state, softcap, **kwargs)
     if state is None:
-        return _dense(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
+        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("the LeanK student pass runs one sequence at a time (batch size 1)")
     if state.context is None:
@@ -117,23 +116,6 @@ def leank_student_attention(
     return out, None
 
 
-def _dense(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    softcap: float | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The model's own dense attention: SDPA, or the soft-capped path SDPA cannot take."""
-    if softcap is not None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return softcapped_attention(query, key, value, attention_mask, scale, softcap), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
 def _dense_after_context(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -160,7 +142,7 @@ def _dense_after_context(
     window = kwargs.pop("sliding_window", None)
     if window is not None:
         allowed &= q_pos - k_pos < window
-    return _dense(module, query, keys, values, allowed[None, None], scaling, softcap, **kwargs)
+    return dense_attention(module, query, keys, values, allowed[None, None], scaling, softcap, **kwargs)
 
 
 def _teacher(
@@ -177,7 +159,7 @@ def _teacher(
     """Full attention of the teacher pass; records (K, V). Sequence parallel: Ulysses all-to-all over heads."""
     if state.group is None:
         state.kv[module.layer_idx] = (key, value)
-        return _dense(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
     if torch.is_grad_enabled():
         raise RuntimeError("the sequence-parallel teacher pass runs without gradients (torch.no_grad)")
     group = state.group
