@@ -7,6 +7,7 @@ decode step latency is the median gap between consecutive steps (prefill exclude
 
     leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
     leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
+    leank bench hub/llama-3.1-8b-instruct --capacity 80                   # largest batch on an 80 GiB GPU
 """
 
 from __future__ import annotations
@@ -118,7 +119,22 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
     p.add_argument("--ratio", type=float, default=0.7, help="with --estimate: fraction of K channels pruned")
     p.add_argument("--zero-heads", type=float, default=0.0,
                    help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
+    p.add_argument("--capacity", metavar="GIB[,GIB]", default=None,
+                   help="only print, for the mask and these GPU memory sizes, KV GiB per sequence and the largest "
+                        "batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.capacity)")
+    p.add_argument("--weights-gib", type=float, default=None,
+                   help="with --capacity: GiB of model weights (default: the mask's recorded base-model size)")
     args = p.parse_args(argv)
+    if args.capacity:
+        from .capacity import capacity_main
+
+        try:
+            gibs = [float(x) for x in args.capacity.split(",")]
+            command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+            return capacity_main(args.mask or str(DEFAULT_MASK), gibs, args.weights_gib,
+                                 DTYPES[args.dtype or "bfloat16"], command)
+        except ValueError as e:  # MaskError included
+            p.error(f"--capacity: {e}")
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     if args.estimate:
