@@ -171,6 +171,15 @@ def _write_card(folder: Path, repo_id: str) -> None:
     write_model_card(folder, repo=repo_id)
 
 
+def check_push_target(repo_id: str, revision: str | None = None) -> None:
+    """Raise MaskError unless ``repo_id`` and ``revision`` are valid names and the Hub may be reached (not offline)."""
+    problem = repo_id_problem(repo_id) or (revision_problem(revision) if revision is not None else None)
+    if problem:
+        raise MaskError(f"cannot push to {repo_id[:200]!r}: {problem[:300]}")
+    if is_offline():
+        raise MaskError("cannot push while offline mode is on (HF_HUB_OFFLINE=1): unset it to upload")
+
+
 def push_mask(
     mask: ChannelMask,
     repo_id: str,
@@ -196,11 +205,7 @@ def push_mask(
 
     from .mask import ChannelMask
 
-    problem = repo_id_problem(repo_id) or (revision_problem(revision) if revision is not None else None)
-    if problem:
-        raise MaskError(f"cannot push to {repo_id[:200]!r}: {problem[:300]}")
-    if is_offline():
-        raise MaskError("cannot push while offline mode is on (HF_HUB_OFFLINE=1): unset it to upload")
+    check_push_target(repo_id, revision)
     api = HfApi(endpoint=endpoint, token=token)
     message = commit_message or f"Upload LeanK mask for {mask.base_model or 'its base model'}"
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,9 +25,10 @@ def push_main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-    from .hub import push_mask
+    from .hub import check_push_target, push_mask
 
     try:
+        check_push_target(args.repo_id, args.revision)
         mask = ChannelMask.from_dir(args.folder)  # refuse to push something that does not load
         for name in ("README.md", "pattern.png"):
             if not (Path(args.folder) / name).is_file():

@@ -88,6 +88,17 @@ def model_shape(model_config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, int(head_dim)
 
 
+def model_positions(model_config: Any) -> int | None:
+    """How many positions the model was built for (``max_position_embeddings``), None where it does not say.
+
+    Every entry point bounds prompt + new tokens by it: beyond it a model decodes garbage (or runs
+    until memory is gone) and transformers only warns.
+    """
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _quantile(flat: torch.Tensor, q: float) -> torch.Tensor:
     """Linear-interpolation quantile of an already sorted 1-D tensor, without torch.quantile's 16M-element limit."""
     pos = q * (flat.numel() - 1)
