@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .folder_swap import FolderError, refusal, write_folder
-from .hub_names import inner_file_problem, revision_problem
+from .hub_names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
 
 # A version above 1 is written only for masks an older reader cannot honour, so that it refuses them
 # instead of loading the bare base model and decoding a model the mask was not learned on: 2 for a
@@ -280,6 +280,11 @@ class ChannelMask:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
+        for name in ("base_model", "adapter"):  # a local path or a Hub id: either fits the file system's limits
+            value = getattr(self, name)
+            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255):
+                raise MaskError(f"{name} {value[:80]!r}{'...' if len(value) > 80 else ''} is neither a folder path "
+                                "nor a Hub repo id (empty, or a name too long for any file system)")
         for name in ("base_revision", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and revision_problem(value):

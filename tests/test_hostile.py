@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from test_model import random_mask, tiny_repo
 
 from leank_infer import ChannelMask, LeanKModel
@@ -372,6 +373,8 @@ def test_malformed_config_json_is_one_mask_error(tmp_path, text, message):
         ({"loader": ["x"]}, "loader must be a JSON object"),
         ({"loader": {"gguf_file": "../../../../etc/passwd"}}, "loader.gguf_file: .* without '..'"),
         ({"loader": {"gguf_file": "/etc/passwd"}}, "loader.gguf_file"),
+        ({"base_model": "x" * 300}, "base_model 'xxx.*is neither a folder path nor a Hub repo id"),
+        ({"adapter": "", "format_version": 2}, "adapter '' is neither"),
     ],
 )
 def test_bad_config_values_are_refused_at_load(tmp_path, changes, message):
@@ -560,3 +563,26 @@ def test_a_truncated_cached_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
     assert "cannot be read" in copy_problem(copy)
     assert sorted(p.name for p in copy.parent.iterdir()) == [copy.name]  # nothing half-written left beside it
 
+
+
+def test_a_malicious_last_ckpt_stops_leank_run_in_one_line(tmp_path, capsys):
+    """``leank run`` resumes from ``<checkpoints>/<fingerprint>/last.ckpt``: a planted one is refused, named."""
+    from test_faults import base_model, recipe
+
+    from leank_train.cli import run_cli
+    from leank_train.pipeline import stage_fingerprint
+
+    base = base_model(tmp_path / "base")
+    path = recipe(tmp_path / "r", base)
+    probe = run_cli(["--config", str(path), "--stage", "1"], run=False)  # the stage's resolved config, as run does
+    cfg = yaml.safe_load(probe.parser.dump(probe.config, skip_none=False))
+    last = tmp_path / "r" / "runs" / "checkpoints" / "stage1" / stage_fingerprint(cfg) / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    last.write_bytes(pickle.dumps({"state_dict": {}, "x": _Payload(str(marker))}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        leank(["run", str(path)])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after Lightning's INFO lines
+    assert e.value.code == 2 and last_line.startswith(f"leank run: error: checkpoint {last} holds more than tensors")
+    assert not marker.exists() and not (tmp_path / "r" / "stage1").exists()
