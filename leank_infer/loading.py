@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -51,14 +52,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("LEANK_CACHE", Path.home() / ".cache" / "leank"))
 
 
+COPY_MANIFEST = ".leank-copy.json"  # {file name: size}, written last into a complete copy
+
+
 def copy_problem(folder: Path) -> str | None:
     """Why a de-quantised copy in the leank cache cannot be used (None when it is whole).
 
     The copy is renamed into place only once complete, but a full disk, a copy made by hand or a
-    damaged file can still leave one short: each JSON file must parse and each safetensors file
-    must be exactly as long as its header says, else the copy is rebuilt rather than failing on every run.
+    damaged file can still leave one short; then it is rebuilt rather than failing on every run.
+    Each file must have the size the manifest records; copies made before the manifest existed get
+    cheap structural checks (safetensors exactly as long as their header says, JSON files that end).
     """
-    import json
     import struct
 
     if not (folder / "config.json").is_file():
@@ -67,8 +71,17 @@ def copy_problem(folder: Path) -> str | None:
     if not weights:
         return "no *.safetensors weights"
     try:
+        if (folder / COPY_MANIFEST).is_file():
+            sizes = json.loads((folder / COPY_MANIFEST).read_text())
+            for name, size in sizes.items():
+                if (folder / name).stat().st_size != size:
+                    return f"{name} is {(folder / name).stat().st_size:,} bytes, {size:,} when it was written"
+            return None
         for f in sorted(folder.glob("*.json")):
-            json.loads(f.read_text())
+            with open(f, "rb") as fh:
+                fh.seek(max(0, f.stat().st_size - 64))
+                if not fh.read().rstrip().endswith((b"}", b"]")):
+                    return f"{f.name} is cut short"
         for f in weights:
             with open(f, "rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))
@@ -76,7 +89,7 @@ def copy_problem(folder: Path) -> str | None:
             end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
             if f.stat().st_size != 8 + n + end:
                 return f"{f.name} is {f.stat().st_size:,} bytes, its header says {8 + n + end:,}"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
         return f"a file cannot be read: {e}"
     return None
 
@@ -113,6 +126,8 @@ def _embedded_copy(gguf: Path) -> Path:
         model.load_state_dict(gguf_model.state_dict())
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use its copy

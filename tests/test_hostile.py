@@ -555,12 +555,20 @@ def test_a_truncated_cached_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
     size = weights.stat().st_size
     with open(weights, "r+b") as f:
         f.truncate(size - 100)
-    assert "header says" in copy_problem(copy)
+    assert "when it was written" in copy_problem(copy)
     with pytest.warns(UserWarning, match="damaged.*rebuilding"):
         again = loading._embedded_copy(gguf)
     assert again == copy and weights.stat().st_size == size and copy_problem(copy) is None
-    (copy / "tokenizer.json").write_text('{"trunc')
-    assert "cannot be read" in copy_problem(copy)
+    (copy / "tokenizer.json").write_text('{"tr')
+    assert "tokenizer.json is 4 bytes, 2 when it was written" in copy_problem(copy)
+    # a copy made before the manifest existed: structural checks
+    (copy / loading.COPY_MANIFEST).unlink()
+    assert copy_problem(copy) == "tokenizer.json is cut short"
+    (copy / "tokenizer.json").write_text("{}")
+    assert copy_problem(copy) is None
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1)
+    assert "header says" in copy_problem(copy)
     assert sorted(p.name for p in copy.parent.iterdir()) == [copy.name]  # nothing half-written left beside it
 
 
