@@ -96,7 +96,10 @@ def write_folder(
     if why:
         raise FolderError(why)
     parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FolderError(f"cannot make the folder {parent} to hold {target.name}: {e.strerror}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=parent))
     try:
         fill(tmp)

@@ -173,6 +173,19 @@ def test_export_replaces_an_older_mask_repo_or_an_empty_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "repo"]  # no temporary sibling left
 
 
+def test_without_an_atomic_exchange_the_swap_still_replaces_whole(tmp_path, monkeypatch):
+    import leank_infer.folder_swap as swap
+
+    monkeypatch.setattr(swap, "_exchange", lambda a, b: False)  # a file system without renameat2's exchange
+    random_mask(seed=1).save_pretrained(tmp_path / "m")
+    random_mask(seed=2).save_pretrained(tmp_path / "m")
+    assert torch.equal(ChannelMask.from_dir(tmp_path / "m").keep, random_mask(seed=2).keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(MaskError, match="cannot make the folder"):
+        random_mask().save_pretrained(tmp_path / "file" / "m")
+
+
 def test_fit_refuses_a_user_folder_as_export_before_training(tmp_path, capsys):
     from test_faults import base_model, recipe
 
