@@ -31,6 +31,9 @@ from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
 from leank_infer.card import write_model_card
+from leank_infer.cli_types import positive_int
+
+from .errors import RecipeError
 
 KINDS = ("passkey", "multikey", "multivalue")
 METHODS = ("full", "leank", "random", "think")
@@ -380,8 +383,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("mask", nargs="+",
                    help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
     p.add_argument("--revision", default=None)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--samples", type=int, default=6, help="probes per length (kinds alternate)")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048])
+    p.add_argument("--samples", type=positive_int, default=6, help="probes per length (kinds alternate)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seed", type=int, default=1234)
@@ -392,11 +395,24 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--card", action="store_true",
                    help="rewrite the mask folder's model card with these results (and the plot, if drawn)")
     args = p.parse_args(argv)
+    from .cli import one_line_errors
+
+    with one_line_errors("leank eval"):
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from leank_infer import LeanKModel
+    from leank_infer.mask import model_positions
     from leank_infer.plots import plot_accuracy, plot_ratio_sweep
 
     cmd = "leank eval " + " ".join(argv)
     lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    limit = model_positions(lm.model.config)
+    new = inspect.signature(evaluate).parameters["max_new_tokens"].default
+    if limit is not None and max(args.lengths) + new > limit:
+        raise RecipeError(f"--lengths {max(args.lengths):,} + {new} new tokens exceeds the model's {limit:,} "
+                          f"positions (max_position_embeddings); use lengths up to {limit - new:,}")
     if len(args.mask) > 1:
         masks = [(args.mask[0], lm.mask)]
         for path in args.mask[1:]:
