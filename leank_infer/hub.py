@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from .mask import ChannelMask
 
 # What is ever downloaded from (or uploaded to) a mask repo: safe formats, the card and the plot.
-ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png"]
+# LICENSE: an imported mask (leank import) carries its licence text, which must travel with every copy.
+ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png", "LICENSE"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _TRUE = {"1", "ON", "YES", "TRUE"}

@@ -22,14 +22,13 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .mask import ChannelMask, MaskError
+from .mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
 
 REFERENCE_REPO = "https://github.com/microsoft/MInference"
 REFERENCE_COMMIT = "fb56c917f618e8645f1cfc37535afd7424d78f0d"
@@ -147,31 +146,6 @@ def reference_mask(
     )
 
 
-def _write_folder(out: Path, write: Any, force: bool) -> None:
-    """Build the folder in a temporary sibling, then rename it into place (``force`` replaces an old one)."""
-    out = out.absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
-    old = None
-    try:
-        write(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old / out.name, out)  # put the previous folder back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def import_reference_mask(
     pth: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -192,8 +166,7 @@ def import_reference_mask(
     pth, out = Path(pth), Path(out_dir)
     if out.exists() and not force:
         raise ReferenceMaskError(f"{out} already exists (pass --force to replace it)")
-    if out.exists() and not (out / "config.json").is_file():
-        raise ReferenceMaskError(f"{out} exists and is not a mask repo folder; refusing to replace it")
+    check_mask_target(out)  # a file, a link, '/' or a folder of other files: refused before anything is read
     keep = read_reference_mask(pth)
     digest = sha256_of(pth)
     known = KNOWN_RELEASES.get(digest, {})
@@ -231,7 +204,7 @@ def import_reference_mask(
         shutil.copyfile(lic, folder / "LICENSE")
         write_model_card(folder, repo=repo or str(out_dir))
 
-    _write_folder(out, write, force)
+    write_mask_folder(out, write)
     return mask
 
 

@@ -14,12 +14,12 @@ Without ``--stage`` the top level runs as is (the recipes make it stage 1). ``le
 
 from __future__ import annotations
 
-import pickle
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
 from typing import Any
 
 import yaml
@@ -170,7 +170,7 @@ def one_line_errors(prog: str) -> Iterator[None]:
     except (RecipeError, MaskError, BaseModelError, NonFiniteError, MisconfigurationException) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused a checkpoint
+    except UnpicklingError as e:  # torch refused a checkpoint (weights-only loading)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(
             f"{prog}: error: a checkpoint holds more than tensors and plain data and was not loaded "

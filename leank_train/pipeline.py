@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
 from typing import Any
 
 import yaml
@@ -141,7 +141,7 @@ def run_stage(recipe: str, stage: int, overrides: Sequence[str]) -> tuple[str, d
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
         try:
             cli = run_cli(["fit", *args, "--checkpoint.dirpath", str(ckpt_dir), "--ckpt_path", "last"])
-        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused it: never unpickle more
+        except UnpicklingError as e:  # torch refused it (weights-only loading): never unpickle more
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RecipeError(
                 f"checkpoint {last[-1] if last else ckpt_dir} holds more than tensors and plain data, so it was not "

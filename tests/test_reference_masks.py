@@ -242,6 +242,12 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     assert (tmp_path / "a" / "config.json").read_text() == before
     assert cli(["import", str(src), str(tmp_path / "a"), "--base-model", "org/other", "--force"]) == 0
     assert ChannelMask.from_dir(tmp_path / "a").base_model == "org/other"
+    # a folder of the user's own files is never replaced, even with --force
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert cli(["import", str(src), str(tmp_path / "mine"), "--base-model", "org/other", "--force"]) == 2
+    assert "not a mask repo" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     # the MIT notice must travel: no licence, no import
     (tmp_path / "LICENSE").unlink()
     assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/model"]) == 2
