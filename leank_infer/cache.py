@@ -32,6 +32,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
 from .mask import ChannelMask, dense_layers_of
 
@@ -354,6 +355,15 @@ class LeanKCache(Cache):
         ]
         super().__init__(layers=layers)
         self.mask = mask
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base update, then the layer offered to the attention function (see :mod:`~leank_infer.layer_handoff`)."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        layer_handoff.offer(keys, layer if isinstance(layer, LeanKLayer) else None)
+        return keys, values
 
     def nbytes(self) -> int:
         """Bytes of K/V the cache really holds, all layers (distinct tensor storages)."""
