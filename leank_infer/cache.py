@@ -57,7 +57,9 @@ class LeanKLayer(CacheLayerMixin):
     """One layer of a :class:`LeanKCache` (see the module docstring for the layout)."""
 
     is_compileable = False
-    is_croppable = False
+    # crop() drops tokens appended since the last compression (what assisted decoding rolls back) and
+    # refuses, with a clear error, any older ones: safe to declare for generate's croppability check
+    is_croppable = True
     is_sliding = False
 
     def __init__(
