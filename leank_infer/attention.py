@@ -16,7 +16,8 @@ function without touching the glue (``leank_attention_forward`` is the only call
 
 ``leank_attention_forward`` is registered as attention implementation ``"leank"``: at prefill, and
 in a forward without a cache, it is transformers' SDPA; over a LeanK cache layer it decodes over the
-compressed cache; past keys from any other cache are an error (it never decodes dense silently). Its mask function is SDPA's, so the model hands it a bool mask (or ``None``).
+compressed cache; past keys from any other cache are an error (it never decodes dense silently).
+Its mask function is SDPA's, so the model hands it a bool mask (or ``None``).
 """
 
 from __future__ import annotations
