@@ -25,6 +25,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cache import dynamic_cache_bytes
 from .cli_types import fraction, positive_int, positive_int_list
+from .generation import CACHE_KWARG
 from .loading import BaseModelError, load_base_model, load_mask_base_model
 from .mask import ChannelMask, MaskError, model_positions, model_shape
 from .model import LeanKModel
@@ -92,7 +93,7 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int) -> dict[str, float]:
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            cache=cache,
+            **{CACHE_KWARG: cache},
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -209,16 +210,15 @@ def _main(argv: list[str] | None, prog: str) -> int:
             dense = leank = None
             peaks = {}
             for _ in range(max(1, args.repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
-                model.set_attn_implementation("sdpa")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 dense_cache = DynamicCache(config=model.config)
-                run = _run(model, ids, dense_cache, new_tokens)
+                with lk.dense():
+                    run = _run(model, ids, dense_cache, new_tokens)
                 peaks["dense"] = _peak(device)
                 dense = run if dense is None or run["step_ms"] < dense["step_ms"] else dense
                 dense_bytes = dynamic_cache_bytes(dense_cache)
                 del dense_cache
-                model.set_attn_implementation("leank")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 leank_cache = lk.new_cache()

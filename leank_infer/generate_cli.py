@@ -1,12 +1,13 @@
 """``leank generate MASK --prompt ...``: one prompt answered dense and with LeanK, side by side.
 
-Both runs use the same loaded model: without a LeanK cache the ``"leank"`` attention is plain
-SDPA, so the dense answer comes from transformers' own DynamicCache path.
+Both runs use the same loaded model: the dense one inside ``LeanKModel.dense()`` (the model's own
+attention), so the dense answer comes from transformers' own DynamicCache path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import textwrap
 import time
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from .cache import dynamic_cache_bytes
+    from .generation import CACHE_KWARG
     from .loading import BaseModelError
     from .mask import MaskError, model_positions
     from .model import LeanKModel
@@ -94,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for name, cache in (("dense", DynamicCache(config=lk.model.config)), ("LeanK", lk.new_cache())):
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = lk.model.generate(**enc, cache=cache, **gen)
+        with torch.inference_mode(), lk.dense() if name == "dense" else contextlib.nullcontext():
+            out = lk.model.generate(**enc, **{CACHE_KWARG: cache}, **gen)
         secs = time.perf_counter() - t0
         nbytes = cache.nbytes() if name == "LeanK" else dynamic_cache_bytes(cache)
         answer = tok.decode(out[0, n:], skip_special_tokens=True).strip()

@@ -15,6 +15,7 @@ The loop is a Lightning ``Trainer.test`` (its progress bar, its logging), metric
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import random
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader
 from leank_infer import ChannelMask
 from leank_infer.card import write_model_card
 from leank_infer.cli_types import positive_int
+from leank_infer.generation import CACHE_KWARG
 
 from .errors import RecipeError
 
@@ -241,7 +243,8 @@ class RetrievalEval(L.LightningModule):
         lm = self.lm
         gen = {"max_new_tokens": self.max_new_tokens, "do_sample": False}
         if method == "full":
-            out = lm.model.generate(**inputs, **gen)
+            with lm.dense():
+                out = lm.model.generate(**inputs, **gen)
         elif method == "leank":
             out = lm.generate(**inputs, **gen)
         else:
@@ -291,10 +294,12 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
         caches = {"full": DynamicCache(config=model.config), "leank": lm.new_cache()}
         logp = {}
         for name, cache in caches.items():
-            out = model(input_ids=seq[:, :context], cache=cache, use_cache=True)
-            rows = [out.logits[:, -1]]
-            for t in range(context, context + steps - 1):
-                rows.append(model(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            with lm.dense() if name == "full" else contextlib.nullcontext():
+                out = model(input_ids=seq[:, :context], **{CACHE_KWARG: cache}, use_cache=True)
+                rows = [out.logits[:, -1]]
+                for t in range(context, context + steps - 1):
+                    step = model(input_ids=seq[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True)
+                    rows.append(step.logits[:, -1])
             logp[name] = torch.log_softmax(torch.cat(rows).float(), -1)
         kls.append((logp["full"].exp() * (logp["full"] - logp["leank"])).sum(-1).mean())
     return float(torch.stack(kls).mean()) if kls else float("nan")
