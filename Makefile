@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` (train + export + evaluate the embedded default)
-# and `make test`. Both create the virtual environment and install everything on first use.
+# The two commands of the README: `make demo` (train + export + evaluate the embedded default into
+# runs/smollm2-135m/mask, then compare it with the committed hub/smollm2-135m-instruct) and `make test`.
+# Both create the virtual environment and install everything on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: the CPU wheel of torch must come first, or a multi-GB CUDA build is pulled in.

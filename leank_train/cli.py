@@ -58,6 +58,8 @@ class LeanKCLI(LightningCLI):
         # used by `leank run` after stage 2 (a plain `fit` ignores them)
         parser.add_class_arguments(EvalSettings, "evaluate")
         parser.add_argument("--push_to_hub", type=str | None, default=None, help="Hub repo id to push the mask to")
+        parser.add_argument("--compare_to", type=str | None, default=None,
+                            help="a committed mask folder `leank run` compares its result with at the end")
         # the data needs the model's tokenizer: say the base model once
         parser.link_arguments("model.base_model", "data.base_model")
         parser.link_arguments("model.revision", "data.revision")

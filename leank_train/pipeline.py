@@ -3,7 +3,8 @@
 Each stage is the LightningCLI run ``fit --config RECIPE --stage N`` (see :mod:`leank_train.cli`).
 Overrides ``--key value`` go to both stages; ``--stage1.key value`` / ``--stage2.key value`` to one.
 Stage 2 starts from the mask folder stage 1 exported (``--model.init_scores`` is set to it), and
-stage 2's export is the recipe's output mask repo.
+stage 2's export is the recipe's output mask repo. A recipe's ``compare_to`` (a committed mask folder)
+is read before training and, at the end, set beside the new mask (:mod:`leank_train.compare`).
 
 Rerunning the same command after an interruption (kill -9, power loss) loses nothing: each stage
 checkpoints to ``<checkpoint.dirpath>/<fingerprint>/last.ckpt`` (Lightning's ``ModelCheckpoint``,
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
 from typing import Any
@@ -34,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
 from .cli import one_line_errors, read_recipe, run_cli
+from .compare import MaskSnapshot, format_comparison, read_reference
 from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
@@ -42,7 +44,7 @@ from .export import ExportMask
 # fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
 # (a new export.dirpath resumes from the final checkpoint and exports there)
 COSMETIC = {
-    "config", "ckpt_path", "checkpoint", "evaluate", "push_to_hub", "stage1", "stage2",
+    "config", "ckpt_path", "checkpoint", "evaluate", "push_to_hub", "compare_to", "stage1", "stage2",
     "trainer.logger", "trainer.enable_progress_bar", "trainer.enable_model_summary",
     "trainer.log_every_n_steps", "trainer.default_root_dir", "export.dirpath", "data.num_workers",
 }
@@ -117,11 +119,18 @@ def _complete(folder: str | None) -> bool:
     return True
 
 
-def run_stage(recipe: str, stage: int, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:
-    """Run (or resume, or skip) one stage of a recipe; returns (its export folder, its resolved config)."""
+def run_stage(
+    recipe: str, stage: int, overrides: Sequence[str], before: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Run (or resume, or skip) one stage of a recipe; returns (its export folder, its resolved config).
+
+    ``before`` sees the resolved config before anything trains or is written.
+    """
     args = ["--config", recipe, "--stage", str(stage), *overrides]
     probe = run_cli(args, run=False)  # parse + instantiate (nothing is loaded or written): the resolved config
     cfg = yaml.safe_load(probe.parser.dump(probe.config, skip_none=False))
+    if before is not None:
+        before(cfg)
     export_dir = (cfg.get("export") or {}).get("dirpath")
     if not export_dir:
         raise SystemExit(f"leank run: stage {stage} writes no mask folder: set export.dirpath in the recipe")
@@ -179,12 +188,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
     start = time.perf_counter()
-    stage1_dir, _ = run_stage(recipe, 1, overrides[1])
+    references: dict[str, MaskSnapshot] = {}
+
+    def read_compare_to(cfg: dict[str, Any]) -> None:
+        # read now: the stage-2 export may replace this very folder (reproducing the committed mask)
+        folder = cfg.get("compare_to")
+        if folder and folder not in references:
+            references[folder] = read_reference(folder)
+
+    stage1_dir, _ = run_stage(recipe, 1, overrides[1], before=read_compare_to)
     t1 = time.perf_counter() - start
     loss1 = _training_loss(stage1_dir)
     print(f"[leank run] stage 1 done in {t1:.0f} s, mask scores in {stage1_dir}", flush=True)
 
-    out_dir, cfg = run_stage(recipe, 2, [*overrides[2], "--model.init_scores", stage1_dir])
+    out_dir, cfg = run_stage(recipe, 2, [*overrides[2], "--model.init_scores", stage1_dir], before=read_compare_to)
     if rank_zero_only.rank != 0:
         return 0  # multi-GPU: rank 0 reports, evaluates and pushes
     wall = time.perf_counter() - start
@@ -197,7 +214,8 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
         f"  k_kept_fraction    {stats['k_kept_fraction']:.3f}\n"
         f"  v_kept_fraction    {stats['v_kept_fraction']:.3f}\n"
         f"  zero heads         {stats['zero_heads']} of {stats['total_heads']}\n"
-        f"  mask repo          {out_dir}",
+        f"  mask repo          {out_dir}"
+        + ("" if cfg.get("push_to_hub") else f"\n  publish it with    leank push {out_dir} ORG/NAME"),
         flush=True,
     )
     settings = EvalSettings(**cfg["evaluate"])
@@ -206,6 +224,8 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
     if cfg.get("push_to_hub"):
         info = ChannelMask.from_dir(out_dir).push_to_hub(cfg["push_to_hub"], folder=out_dir)
         print(f"[leank run] pushed to {info}", flush=True)
+    if cfg.get("compare_to"):
+        print(format_comparison(MaskSnapshot.read(out_dir), references[cfg["compare_to"]]), flush=True)
     return 0
 
 

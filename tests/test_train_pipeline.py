@@ -46,3 +46,5 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
     assert metrics == {"accuracy (full)", "accuracy (leank)"}
     assert f"leank eval {tmp_path / 'final'} --lengths 300 --samples 1 --methods full leank" in card.text
     assert "leank eval" in out and "| leank |" in out
+    # and it ends by setting the mask beside the committed one the recipe names (compare_to)
+    assert "vs the committed mask (hub/smollm2-135m-instruct)" in out and "channels that differ" in out
