@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/leank run recipes/smollm2-135m.yaml
+	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q

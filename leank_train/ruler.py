@@ -16,6 +16,7 @@ A probe is a pure function of ``(seed, task, length, index)``: every method answ
 from __future__ import annotations
 
 import functools
+import math
 import random
 import string
 import uuid
@@ -424,7 +425,7 @@ class CommonWords(_WordList):
         self.max_new_tokens = 6 * top + 8
 
     def make(self, b, length, rng, hay, index):
-        pool = self.pool(hay, rng, 2000)
+        pool = self.pool(hay, rng, min(4000, len(vocabulary("noun"))))
         common, rare = pool[: self.top], pool[self.top:]
         seed = rng.random()
 
@@ -432,6 +433,9 @@ class CommonWords(_WordList):
             r = random.Random(seed)
             freq_common = max(3, min(30, n // (3 * self.top)))  # RULER: 30 times each at long lengths
             freq_rare = max(1, min(3, freq_common // 3))
+            # past what the pool can fill (very long lengths), rare words repeat more, common ones 3x that
+            freq_rare = max(freq_rare, math.ceil((n - self.top * freq_common) / len(rare)))
+            freq_common = max(freq_common, 3 * freq_rare)
             words = [w for w in common for _ in range(freq_common)]
             words += [w for w in rare[: max(1, (n - len(words)) // freq_rare)] for _ in range(freq_rare)]
             r.shuffle(words)
