@@ -13,6 +13,7 @@ from leank_train.evaluate import QUICK, TASK_NAMES, EvalSettings, evaluate, main
 TASKS = ["niah_single_number", "passkey"]
 
 
+@pytest.mark.slow  # tiny model, but the haystacks and three methods: ~15-60 s on a busy 2-core machine
 def test_suite_results_pair_every_method_with_the_full_model(tmp_path):
     mask_dir, _ = tiny_repo(tmp_path)
     lm = LeanKModel.from_pretrained(mask_dir)
@@ -75,3 +76,28 @@ def test_settings_command_and_leank_run_quick(monkeypatch):
     monkeypatch.setattr(pipeline, "_run", lambda recipe, overrides: got.update(overrides) or 0)
     assert pipeline.main(["r.yaml", "--quick", "--trainer.max_steps", "2"]) == 0
     assert got[1] == got[2] == ["--trainer.max_steps", "2", "--evaluate.quick", "true"]
+
+
+@pytest.mark.slow
+def test_sweep_on_the_suite_pairs_each_mask_with_the_full_model(tmp_path):
+    import torch
+
+    from leank_infer import ChannelMask
+    from leank_train.evaluate import card_results, ratio_sweep
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    other = ChannelMask.from_scores(torch.rand(lm.mask.keep.shape, generator=torch.Generator().manual_seed(5)),
+                                    0.75, 4, sink_size=4, recent_size=8, accumu_size=4, base_model=lm.mask.base_model)
+    res = ratio_sweep(lm, [("a", lm.mask), ("b", other)], [300], 2, seed=0, tasks=["passkey"])
+    assert len(res["full_answers"]) == 2
+    for row in res["masks"]:
+        cell = row["tasks"]["passkey"]["leank"][300]
+        assert cell["n"] == 2 and sum(cell["paired"][k] for k in ("both", "only_full", "only_method", "neither")) == 2
+        h = row["headline"][300]
+        if h["tasks"]:  # the mask's sweep accuracy is its headline score
+            assert row["accuracy"][300] == h["leank"]["score"]
+        else:
+            assert row["accuracy"][300] != row["accuracy"][300]  # nan: no task to score on
+        rows = card_results({**row, "methods": ["full", "leank"]}, "leank eval a b")
+        assert {r["metric_config"] for r in rows} == {"full", "leank"}
