@@ -176,9 +176,6 @@ class Builder:
         self.tokenizer = tokenizer
         self._counts: dict[str, list[int]] = {}
 
-    def count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def prompt_tokens(self, user: str, prefix: str) -> int:
         return len(self.prompt_ids(user, prefix))
 
@@ -192,11 +189,12 @@ class Builder:
         if name not in self._counts:
             self._counts[name] = [len(i) for i in self.tokenizer(list(sentences), add_special_tokens=False)["input_ids"]]
         counts = self._counts[name]
-        start, picked, sizes = rng.randrange(len(sentences)), [], []
-        while sum(sizes) < budget * 1.02:
+        start, picked, sizes, used = rng.randrange(len(sentences)), [], [], 0
+        while used < budget * 1.02:
             i = (start + len(picked)) % len(sentences)
             picked.append(sentences[i])
             sizes.append(counts[i])
+            used += counts[i]
         return picked, sizes
 
     def fit(self, parts: list[str], sizes: list[int | None], render, limit: int) -> str:
