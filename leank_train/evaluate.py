@@ -16,10 +16,11 @@ The loop is a Lightning ``Trainer.test`` (its progress bar, its logging), metric
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import random
 import string
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,8 @@ from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
 from leank_infer.card import write_model_card
+from leank_infer.cli_types import positive_int
+from leank_infer.generation import CACHE_KWARG
 
 from .errors import RecipeError
 from .ruler import TASKS, Probe, build_probes, chat_ids, correct, haystack_sentences
@@ -270,7 +273,8 @@ class RetrievalEval(L.LightningModule):
         lm = self.lm
         gen = {"max_new_tokens": max_new_tokens or self.max_new_tokens, "do_sample": False}
         if method == "full":
-            out = lm.model.generate(**inputs, **gen)
+            with lm.dense():
+                out = lm.model.generate(**inputs, **gen)
         elif method == "leank":
             out = lm.generate(**inputs, **gen)
         else:
@@ -321,10 +325,12 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
         caches = {"full": DynamicCache(config=model.config), "leank": lm.new_cache()}
         logp = {}
         for name, cache in caches.items():
-            out = model(input_ids=seq[:, :context], cache=cache, use_cache=True)
-            rows = [out.logits[:, -1]]
-            for t in range(context, context + steps - 1):
-                rows.append(model(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            with lm.dense() if name == "full" else contextlib.nullcontext():
+                out = model(input_ids=seq[:, :context], **{CACHE_KWARG: cache}, use_cache=True)
+                rows = [out.logits[:, -1]]
+                for t in range(context, context + steps - 1):
+                    step = model(input_ids=seq[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True)
+                    rows.append(step.logits[:, -1])
             logp[name] = torch.log_softmax(torch.cat(rows).float(), -1)
         kls.append((logp["full"].exp() * (logp["full"] - logp["leank"])).sum(-1).mean())
     return float(torch.stack(kls).mean()) if kls else float("nan")
@@ -474,8 +480,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("mask", nargs="+",
                    help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
     p.add_argument("--revision", default=None)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--samples", type=int, default=6,
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048])
+    p.add_argument("--samples", type=positive_int, default=6,
                    help="probes per task and length (with --kinds: per length, the kinds alternate)")
     p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES, metavar="TASK",
                    help=f"tasks of the suite (default: all of {', '.join(TASK_NAMES)})")
@@ -493,22 +499,29 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--card", action="store_true",
                    help="rewrite the mask folder's model card with these results (and the plot, if drawn)")
     args = p.parse_args(argv)
-    try:
-        return _main(args, "leank eval " + " ".join(argv))
-    except RecipeError as e:  # a bad length or task: one line, exit 2
-        print(f"leank eval: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    from .cli import one_line_errors
+
+    with one_line_errors("leank eval"):
+        return _main(args, argv)
 
 
-def _main(args: argparse.Namespace, cmd: str) -> int:
+def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from leank_infer import LeanKModel
+    from leank_infer.mask import model_positions
+    from leank_infer.plots import plot_accuracy, plot_ratio_sweep
+
+    cmd = "leank eval " + " ".join(argv)
     if args.quick:
         args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
     tasks = None if args.kinds else args.tasks
     kinds = args.kinds or KINDS
-    from leank_infer import LeanKModel
-    from leank_infer.plots import plot_accuracy, plot_ratio_sweep
-
     lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    limit = model_positions(lm.model.config)
+    # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
+    new = 0 if tasks is not None else inspect.signature(evaluate).parameters["max_new_tokens"].default
+    if limit is not None and max(args.lengths) + new > limit:
+        raise RecipeError(f"--lengths {max(args.lengths):,}{f' + {new} new tokens' if new else ''} exceeds the "
+                          f"model's {limit:,} positions (max_position_embeddings); use lengths up to {limit - new:,}")
     if len(args.mask) > 1:
         masks = [(args.mask[0], lm.mask)]
         for path in args.mask[1:]:

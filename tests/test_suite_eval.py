@@ -56,8 +56,9 @@ def test_eval_cli_quick_json_and_errors(tmp_path, capsys, monkeypatch):
     assert "| passkey | leank |" in capsys.readouterr().out
     monkeypatch.setattr(ev, "evaluate", real)
     # a length no task fits in: one line naming it, exit 2
-    assert main([str(mask_dir), "--lengths", "40", "--samples", "1", "--methods", "full", "--no-kl"]) == 2
-    assert "too short for task" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(mask_dir), "--lengths", "40", "--samples", "1", "--methods", "full", "--no-kl"])
+    assert e.value.code == 2 and "too short for task" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([str(mask_dir), "--tasks", "no_such_task"])
     assert e.value.code == 2
@@ -74,7 +75,10 @@ def test_settings_command_and_leank_run_quick(monkeypatch):
 
     got = {}
     monkeypatch.setattr(pipeline, "_run", lambda recipe, overrides: got.update(overrides) or 0)
-    assert pipeline.main(["r.yaml", "--quick", "--trainer.max_steps", "2"]) == 0
+    from pathlib import Path
+
+    recipe = str(Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml")
+    assert pipeline.main([recipe, "--quick", "--trainer.max_steps", "2"]) == 0
     assert got[1] == got[2] == ["--trainer.max_steps", "2", "--evaluate.quick", "true"]
 
 
