@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/leank run recipes/smollm2-135m.yaml
+	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -55,7 +55,7 @@ bench: $(STAMP)
 
 # Ratios 0.5-0.9 on the embedded model (README "Beyond 70%"): stage 2 at each ratio from the 0.7 recipe's
 # stage 1 (trained first if missing), then one `leank eval` over the five masks, figure into the hub cards.
-SWEEP_EVAL = --lengths 1024 2048 4096 --samples 12 --seed 1234
+SWEEP_EVAL = --kinds passkey multikey multivalue --lengths 1024 2048 4096 --samples 12 --seed 1234
 sweep: $(STAMP)
 	test -f runs/smollm2-135m/stage1-mask/mask.safetensors || $(VENV)/bin/leank fit --config recipes/smollm2-135m.yaml --stage 1
 	for r in 50 60; do $(VENV)/bin/leank fit --config recipes/smollm2-135m.yaml --stage 2 --model.ratio 0.$$r \

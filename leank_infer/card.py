@@ -189,13 +189,17 @@ def capacity_section(mask: ChannelMask, repo: str, gpu_gib: float = 80.0) -> str
 
 
 def results_table(eval_results: list[dict[str, Any]]) -> str:
-    """A markdown table: one row per metric, one column per dataset (e.g. methods x context lengths)."""
+    """A markdown table: one row per dataset (e.g. task x context length), one column per metric (e.g.
+    method); a row's ``text`` (interval, paired counts) is shown instead of its bare value when given."""
     datasets = list(dict.fromkeys(r["dataset"] for r in eval_results))
     metrics = list(dict.fromkeys(r.get("metric", "accuracy") for r in eval_results))
-    cell = {(r.get("metric", "accuracy"), r["dataset"]): f"{r['value']:.3f}" for r in eval_results}
-    lines = ["| metric | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
-    lines += [f"| {m} | " + " | ".join(cell.get((m, d), "") for d in datasets) + " |" for m in metrics]
+    cell = {(r.get("metric", "accuracy"), r["dataset"]): r.get("text") or f"{r['value']:.3f}" for r in eval_results}
+    lines = ["| dataset | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    lines += [f"| {d} | " + " | ".join(cell.get((m, d), "") for m in metrics) + " |" for d in datasets]
     return "\n".join(lines)
+
+
+_EVAL_EXTRAS = ("dataset_config", "dataset_split", "dataset_args", "metric_config", "metric_args")
 
 
 def build_card(
@@ -204,7 +208,9 @@ def build_card(
     eval_results: list[dict[str, Any]] | None = None,
     figures: dict[str, str] | None = None,
 ):
-    """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys.
+    """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys,
+    and optionally the other fields of ``huggingface_hub.EvalResult`` (dataset_config, dataset_args,
+    metric_config, metric_args: e.g. the context length and the method of one result).
 
     ``figures`` maps a PNG file of the repo to the command that drew it.
     """
@@ -227,6 +233,7 @@ def build_card(
                 metric_type=r.get("metric_type", "accuracy"),
                 metric_name=r.get("metric", "accuracy"),
                 metric_value=r["value"],
+                **{k: r[k] for k in _EVAL_EXTRAS if r.get(k) is not None},
             )
             for r in eval_results
         ]

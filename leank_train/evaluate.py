@@ -1,8 +1,9 @@
-"""``leank eval``: retrieval accuracy and next-token KL, full model vs LeanK vs baselines at equal K budget.
+"""``leank eval``: long-context accuracy and next-token KL, full model vs LeanK vs baselines at equal K budget.
 
-The prompts here deliberately share nothing with the training data (``leank_train.data``): other
-wordings (passkeys, access tokens, lucky numbers instead of "special magic" uuids/numbers) and another
-haystack (docstrings of the Python standard library instead of ``pydoc_data`` topics or noise).
+The default probes are the RULER-style suite of :mod:`leank_train.ruler` (ten tasks, reported per task, with
+Wilson intervals, paired counts against the full model and a headline over the tasks the full model passes:
+:mod:`leank_train.stats`). ``--kinds`` selects the older three needle kinds instead. Neither shares
+wordings, haystack sentences or key words with the training data (``leank_train.data``).
 
 Baselines at the same K budget:
 - ``random``: per head the same number of kept channels as the learned mask, chosen at random;
@@ -36,48 +37,16 @@ from leank_infer.cli_types import positive_int
 from leank_infer.generation import CACHE_KWARG
 
 from .errors import RecipeError
+from .ruler import TASKS, Probe, build_probes, chat_ids, correct, haystack_sentences
+from .stats import summarize
 
+#: the RULER-style tasks (leank_train.ruler), all of them by default
+TASK_NAMES = tuple(TASKS)
+#: ``--quick``: one length, two probes per task, no KL (a smoke test: its intervals are wide)
+QUICK = {"lengths": [1024], "samples": 2, "kl": False}
 KINDS = ("passkey", "multikey", "multivalue")
 METHODS = ("full", "leank", "random", "think")
-_HAYSTACK_MODULES = (
-    "collections", "functools", "itertools", "json", "argparse", "logging", "subprocess", "threading",
-    "unittest", "csv", "textwrap", "inspect", "typing", "pathlib", "random", "statistics", "decimal",
-    "fractions", "datetime", "calendar", "heapq", "bisect", "shutil", "tempfile", "zipfile", "tarfile",
-    "sqlite3", "socket", "selectors", "asyncio", "contextlib", "dataclasses", "enum", "string", "difflib",
-)
 _ANIMALS = "otter heron lynx badger falcon walrus ibis marmot gecko yak tapir okapi".split()
-
-
-def haystack_sentences() -> list[str]:
-    """Sentences from standard-library docstrings: English prose that training never sees."""
-    import importlib
-
-    seen, sentences = set(), []
-    for name in _HAYSTACK_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        objs = [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")]
-        for obj in objs:
-            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
-            for para in (doc or "").split("\n\n"):
-                line = " ".join(para.split())
-                if len(line) < 40 or ">>>" in line or line in seen or not line[0].isalpha():
-                    continue
-                seen.add(line)
-                sentences.append(line)
-    return sentences
-
-
-@dataclass
-class Probe:
-    """One retrieval prompt: chat messages, the strings a correct answer contains, its length bucket."""
-
-    messages: list[dict[str, str]]
-    expected: list[str]
-    kind: str
-    length: int
 
 
 def make_probe(tokenizer: Any, kind: str, length: int, rng: random.Random, sentences: list[str]) -> Probe:
@@ -194,7 +163,7 @@ class EvalSettings:
     enabled: bool = True
     #: prompt lengths in tokens
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])
-    #: probes per length (the kinds alternate)
+    #: probes per task and length
     samples: int = 6
     #: full model, the learned mask, and the two baselines at the same K budget
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -202,25 +171,86 @@ class EvalSettings:
     seed: int = 1234
     #: also measure the next-token KL(full || LeanK) on held-out text
     kl: bool = True
+    #: the tasks of the suite (leank_train.ruler)
+    tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
+    #: a smoke test instead: one length, two probes per task, no KL (``QUICK``)
+    quick: bool = False
+
+    def resolved(self) -> EvalSettings:
+        """These settings with ``quick`` applied (its lengths, probes and KL replace the others)."""
+        return replace(self, **QUICK) if self.quick else self
 
     def command(self, mask: str) -> str:
         """The ``leank eval`` command that reproduces these figures."""
-        cmd = (f"leank eval {mask} --lengths {' '.join(map(str, self.lengths))} --samples {self.samples}"
-               f" --methods {' '.join(self.methods)} --seed {self.seed}")
-        return cmd if self.kl else cmd + " --no-kl"
+        if self.quick:
+            cmd = f"leank eval {mask} --quick --methods {' '.join(self.methods)} --seed {self.seed}"
+        else:
+            cmd = (f"leank eval {mask} --lengths {' '.join(map(str, self.lengths))} --samples {self.samples}"
+                   f" --methods {' '.join(self.methods)} --seed {self.seed}")
+        if list(self.tasks) != list(TASK_NAMES):
+            cmd += f" --tasks {' '.join(self.tasks)}"
+        return cmd if self.kl or self.quick else cmd + " --no-kl"
 
 
 def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
-    """Evaluation results in the shape ``leank_infer.card.build_card`` puts in the model index."""
+    """Evaluation results in the shape ``leank_infer.card.build_card`` puts in the model index.
+
+    Suite results give one row per (task, length, method), whose dataset name says the task and length and
+    whose metric name says the method (also as ``dataset_args`` / ``metric_config``; the Hub groups a
+    model index by dataset type and config, so the config names task and length), plus one headline row
+    per (length, method); the Wilson interval and the paired counts against the full model travel in
+    ``metric_args`` and in the card table's cell text.
+    """
     rows = []
-    for method, by_length in results["accuracy"].items():
-        for length, value in sorted(by_length.items()):
-            rows.append({"dataset": f"unseen needles, {length} tokens", "metric": f"accuracy ({method})",
-                         "value": value, "command": command})
+    if "tasks" in results:
+        for task, by_method in results["tasks"].items():
+            for method, by_length in by_method.items():
+                for length, c in sorted(by_length.items(), key=lambda kv: int(kv[0])):
+                    args = {"method": method, "correct": c["correct"], "n": c["n"], "wilson95": c["wilson95"]}
+                    if "paired" in c:
+                        args["paired_vs_full"] = c["paired"]
+                    rows.append({"dataset": f"leank-ruler {task}, {length} tokens", "dataset_type": "leank-ruler",
+                                 "dataset_config": f"{task}-{length}", "dataset_args": {"task": task, "length": int(length)},
+                                 "metric": f"accuracy ({method})", "metric_config": method, "metric_args": args,
+                                 "value": c["accuracy"], "text": _cell_text(c), "command": command})
+        for length, h in sorted(results.get("headline", {}).items(), key=lambda kv: int(kv[0])):
+            for method in results["methods"]:
+                if method not in h:
+                    continue
+                args = {"method": method, "se": h[method]["se"], "tasks": h["tasks"]}
+                if "paired" in h[method]:
+                    args["paired_vs_full"] = h[method]["paired"]
+                rows.append({"dataset": f"leank-ruler headline (tasks the full model passes), {length} tokens",
+                             "dataset_type": "leank-ruler", "dataset_config": f"headline-{length}",
+                             "dataset_args": {"task": "headline", "length": int(length), "tasks": h["tasks"]},
+                             "metric": f"accuracy ({method})", "metric_config": method, "metric_args": args,
+                             "value": h[method]["score"], "text": _headline_text(h[method]), "command": command})
+    else:
+        for method, by_length in results["accuracy"].items():
+            for length, value in sorted(by_length.items()):
+                rows.append({"dataset": f"unseen needles, {length} tokens", "dataset_config": f"needles-{length}",
+                             "metric": f"accuracy ({method})", "value": value, "command": command})
     if "next_token_kl" in results:
-        rows.append({"dataset": "held-out stdlib docstrings, 1024 + 32 tokens", "metric": "next-token KL (nats)",
+        rows.append({"dataset": "held-out stdlib docstrings, 1024 + 32 tokens", "dataset_config": "next-token-kl",
+                     "metric": "next-token KL (nats)",
                      "metric_type": "kl_divergence", "value": results["next_token_kl"], "command": command})
     return rows
+
+
+def _cell_text(c: dict[str, Any]) -> str:
+    """``k/n acc [lo, hi]``, and for a method against the full model ``-only_full/+only_method``."""
+    lo, hi = c["wilson95"]
+    text = f"{c['correct']}/{c['n']} {c['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]"
+    if "paired" in c:
+        text += f" -{c['paired']['only_full']}/+{c['paired']['only_method']}"
+    return text
+
+
+def _headline_text(h: dict[str, Any]) -> str:
+    text = f"{h['score']:.3f} +/- {h['se']:.3f}"
+    if "paired" in h:
+        text += f" -{h['paired']['only_full']}/+{h['paired']['only_method']} (p={h['paired']['mcnemar_p']:.2g})"
+    return text
 
 
 class RetrievalEval(L.LightningModule):
@@ -237,11 +267,11 @@ class RetrievalEval(L.LightningModule):
         self.answers: list[dict[str, Any]] = []
         self._random = random_mask_like(lm.mask)
 
-    def _answer(self, method: str, inputs: dict[str, torch.Tensor]) -> str:
+    def _answer(self, method: str, inputs: dict[str, torch.Tensor], max_new_tokens: int | None = None) -> str:
         from leank_infer import LeanKModel
 
         lm = self.lm
-        gen = {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+        gen = {"max_new_tokens": max_new_tokens or self.max_new_tokens, "do_sample": False}
         if method == "full":
             with lm.dense():
                 out = lm.model.generate(**inputs, **gen)
@@ -253,16 +283,17 @@ class RetrievalEval(L.LightningModule):
         return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
     def test_step(self, probe: Probe, batch_idx: int) -> None:
-        tok = self.lm.tokenizer
-        inputs = tok.apply_chat_template(probe.messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)
-        row = {"kind": probe.kind, "length": probe.length, "tokens": int(inputs["input_ids"].shape[1]),
-               "expected": probe.expected}
+        ids = torch.tensor([chat_ids(self.lm.tokenizer, probe.messages, probe.answer_prefix)])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        row: dict[str, Any] = {"kind": probe.kind, "length": probe.length, "tokens": int(ids.shape[1]),
+                               "haystack": probe.haystack, "index": probe.index, "expected": probe.expected,
+                               "correct": {}}
         for method in self.methods:
-            text = self._answer(method, dict(inputs))
-            ok = float(all(e in text for e in probe.expected))
-            self.acc[f"{method}_{probe.length}"].update(ok)
+            text = self._answer(method, dict(inputs), probe.max_new_tokens)
+            ok = correct(text, probe.expected)
+            self.acc[f"{method}_{probe.length}"].update(float(ok))
             row[method] = text
+            row["correct"][method] = ok
         self.answers.append(row)
 
     def on_test_epoch_end(self) -> None:
@@ -307,33 +338,50 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
 
 def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, kinds: Sequence[str] = KINDS,
              methods: Sequence[str] = METHODS, seed: int = 1234, kl: bool = True,
-             max_new_tokens: int = 24, sentences: list[str] | None = None) -> dict[str, Any]:
-    """Run the retrieval probes (and the KL) and return accuracy per method and length.
+             max_new_tokens: int = 24, sentences: list[str] | None = None,
+             tasks: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the probes (and the KL) and return accuracy per method and length.
 
-    ``sentences`` is the haystack (default: standard-library docstrings, see :func:`haystack_sentences`).
+    ``tasks`` (names of :data:`leank_train.ruler.TASKS`): the suite, ``samples`` probes per task and length,
+    each task with its own generation budget, and the per-task cells, paired counts and headline of
+    :func:`leank_train.stats.summarize`. Without ``tasks``: the older needle ``kinds``, ``samples`` per length.
+    ``sentences`` is the KL's held-out text (and the needle kinds' haystack); default: standard-library
+    docstrings, see :func:`haystack_sentences`.
     """
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     max_pos = getattr(lm.model.config, "max_position_embeddings", None)
-    if max_pos and max(lengths) + max_new_tokens > max_pos:
-        raise ValueError(f"length {max(lengths)} + {max_new_tokens} new tokens exceeds the model's {max_pos} positions")
+    # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
+    budget = max(lengths) if tasks is not None else max(lengths) + max_new_tokens
+    if max_pos and budget > max_pos:
+        raise RecipeError(f"length {max(lengths)}{'' if tasks is not None else f' + {max_new_tokens} new tokens'} "
+                         f"exceeds the model's {max_pos} positions")
     sentences = sentences or haystack_sentences()
-    rng = random.Random(seed)
-    probes = [make_probe(lm.tokenizer, kinds[i % len(kinds)], n, rng, sentences)
-              for n in lengths for i in range(samples)]
+    if tasks is not None:
+        probes = build_probes(lm.tokenizer, tasks, lengths, samples, seed)
+    else:
+        rng = random.Random(seed)
+        probes = [make_probe(lm.tokenizer, kinds[i % len(kinds)], n, rng, sentences)
+                  for n in lengths for i in range(samples)]
     module = RetrievalEval(lm, methods, lengths, max_new_tokens)
     trainer = L.Trainer(accelerator="cpu" if lm.model.device.type == "cpu" else "auto", devices=1, logger=False,
                         enable_checkpointing=False, enable_model_summary=False)
     trainer.test(module, DataLoader(probes, batch_size=None, collate_fn=lambda p: p), verbose=False)
     out: dict[str, Any] = {"accuracy": module.results(), "samples_per_length": samples, "lengths": list(lengths),
-                           "answers": module.answers}
+                           "methods": list(methods), "answers": module.answers}
+    if tasks is not None:
+        out.update(samples_per_task=samples, **summarize(module.answers, methods, lengths, tasks))
     if kl:
         out["next_token_kl"] = next_token_kl(lm, sentences)
     return out
 
 
 def format_table(results: dict[str, Any]) -> str:
+    """Markdown: per task and method a cell per length (``k/n acc [Wilson 95%] -only_full/+only_method``),
+    then the headline per method with the tasks it covers; the needle kinds: accuracy per method and length."""
+    if "tasks" in results:
+        return _format_suite(results)
     acc = results["accuracy"]
     lengths = results["lengths"]
     head = "| method | " + " | ".join(f"{n} tok" for n in lengths) + " |"
@@ -345,26 +393,70 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _at(by_length: dict[Any, Any], n: int) -> Any:
+    """The entry of length ``n`` whether keys are ints (fresh results) or strings (read back from JSON)."""
+    return by_length.get(n, by_length.get(str(n)))
+
+
+def _format_suite(results: dict[str, Any]) -> str:
+    lengths = results["lengths"]
+    cols = " | ".join(f"{n} tok" for n in lengths)
+    lines = [f"| task | method | {cols} |", "|---|---|" + "---|" * len(lengths)]
+    for task, by_method in results["tasks"].items():
+        for method, by_length in by_method.items():
+            cells = [_cell_text(c) if (c := _at(by_length, n)) else "" for n in lengths]
+            lines.append(f"| {task} | {method} | " + " | ".join(cells) + " |")
+    heads = results.get("headline", {})
+    for method in results["methods"]:
+        cells = [_headline_text(h[method]) if (h := _at(heads, n)) and method in h else "n/a" for n in lengths]
+        lines.append(f"| **headline** | {method} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("cells: correct/probes, accuracy, [Wilson 95% interval], -probes only the full model got right"
+                 "/+probes only this method got right; headline: mean over the tasks where the full model scores"
+                 " >= 80% at that length, +/- its standard error, paired counts summed, exact McNemar p")
+    for n in lengths:
+        if h := _at(heads, n):
+            lines.append(f"headline tasks at {n} tokens ({len(h['tasks'])}): {', '.join(h['tasks'])}"
+                         f"; probes per task for s.e. <= 0.03: {h['probes_for_se_0.03']}")
+    if "next_token_kl" in results:
+        lines.append(f"\nmean next-token KL(full || LeanK): {results['next_token_kl']:.4f} nats")
+    return "\n".join(lines)
+
+
 def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequence[int] = (1024, 2048),
                 samples: int = 6, kinds: Sequence[str] = KINDS, seed: int = 1234,
-                sentences: list[str] | None = None) -> dict[str, Any]:
+                sentences: list[str] | None = None, tasks: Sequence[str] | None = None) -> dict[str, Any]:
     """Accuracy and KV bytes per token of several masks of one base model, on the same probes.
 
     The full model is evaluated once; each mask decodes the same probes (same seed) with ``lm``'s model.
+    With ``tasks`` (the suite) a mask's accuracy per length is its headline score (over the tasks the full
+    model passes there), and its per-task cells and paired counts against the full model come along.
     """
     from leank_infer import LeanKModel
 
     sentences = sentences or haystack_sentences()
-    full = evaluate(lm, lengths, samples, kinds, ["full"], seed, kl=False, sentences=sentences)
+    full = evaluate(lm, lengths, samples, kinds, ["full"], seed, kl=False, sentences=sentences, tasks=tasks)
+    full_acc = full["accuracy"]["full"]
     rows = []
     for name, mask in masks:
         res = evaluate(LeanKModel(lm.model, mask, lm.tokenizer), lengths, samples, kinds, ["leank"], seed,
-                       kl=False, sentences=sentences)
+                       kl=False, sentences=sentences, tasks=tasks)
         s = mask.stats(dtype=torch.bfloat16)
-        rows.append({"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
-                     "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
-                     "accuracy": res["accuracy"]["leank"], "answers": res["answers"]})
-    return {"full": full["accuracy"]["full"], "masks": rows, "lengths": list(lengths), "samples_per_length": samples}
+        row = {"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
+               "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
+               "accuracy": res["accuracy"]["leank"], "answers": res["answers"]}
+        if tasks is not None:
+            paired = [{**f, "correct": {"full": f["correct"]["full"], "leank": m["correct"]["leank"]}}
+                      for f, m in zip(full["answers"], res["answers"], strict=True)]
+            summary = summarize(paired, ["full", "leank"], lengths, tasks)
+            heads = summary["headline"]
+            row.update(summary)
+            row["accuracy"] = {n: heads[n]["leank"]["score"] if "leank" in heads[n] else float("nan")
+                               for n in lengths}
+            full_acc = {n: heads[n]["full"]["score"] if "full" in heads[n] else float("nan") for n in lengths}
+        rows.append(row)
+    return {"full": full_acc, "masks": rows, "lengths": list(lengths), "samples_per_length": samples,
+            **({"tasks": list(tasks), "full_answers": full["answers"]} if tasks is not None else {})}
 
 
 def format_sweep(sweep: dict[str, Any]) -> str:
@@ -389,8 +481,15 @@ def main(argv: Sequence[str]) -> int:
                    help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
     p.add_argument("--revision", default=None)
     p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048])
-    p.add_argument("--samples", type=positive_int, default=6, help="probes per length (kinds alternate)")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--samples", type=positive_int, default=6,
+                   help="probes per task and length (with --kinds: per length, the kinds alternate)")
+    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES, metavar="TASK",
+                   help=f"tasks of the suite (default: all of {', '.join(TASK_NAMES)})")
+    p.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
+                   help="the older needle probes instead of the suite")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke test: {QUICK['lengths']} tokens, {QUICK['samples']} probes per task, no KL "
+                        "(overrides --lengths, --samples and the KL)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-kl", action="store_true", help="skip the next-token KL measurement")
@@ -412,12 +511,17 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from leank_infer.plots import plot_accuracy, plot_ratio_sweep
 
     cmd = "leank eval " + " ".join(argv)
+    if args.quick:
+        args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
+    tasks = None if args.kinds else args.tasks
+    kinds = args.kinds or KINDS
     lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
     limit = model_positions(lm.model.config)
-    new = inspect.signature(evaluate).parameters["max_new_tokens"].default
+    # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
+    new = 0 if tasks is not None else inspect.signature(evaluate).parameters["max_new_tokens"].default
     if limit is not None and max(args.lengths) + new > limit:
-        raise RecipeError(f"--lengths {max(args.lengths):,} + {new} new tokens exceeds the model's {limit:,} "
-                          f"positions (max_position_embeddings); use lengths up to {limit - new:,}")
+        raise RecipeError(f"--lengths {max(args.lengths):,}{f' + {new} new tokens' if new else ''} exceeds the "
+                          f"model's {limit:,} positions (max_position_embeddings); use lengths up to {limit - new:,}")
     if len(args.mask) > 1:
         masks = [(args.mask[0], lm.mask)]
         for path in args.mask[1:]:
@@ -431,19 +535,18 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                  f"overrides {lm.mask.config_overrides})")
             mask.validate(lm.model.config)
             masks.append((path, mask))
-        res = ratio_sweep(lm, masks, args.lengths, args.samples, args.kinds, args.seed)
+        res = ratio_sweep(lm, masks, args.lengths, args.samples, kinds, args.seed, tasks=tasks)
         table = format_sweep(res)
         if args.plot:
             plot_ratio_sweep(res, args.plot, cmd)
     else:
-        res = evaluate(lm, args.lengths, args.samples, args.kinds, args.methods, args.seed, kl=not args.no_kl)
+        res = evaluate(lm, args.lengths, args.samples, kinds, args.methods, args.seed, kl=not args.no_kl, tasks=tasks)
         table = format_table(res)
         if args.plot:
             plot_accuracy(res, args.plot, cmd)
         if args.card:
-            settings = EvalSettings(True, args.lengths, args.samples, args.methods, args.seed, not args.no_kl)
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, settings.command(args.mask[0])), figures=figures)
+            write_model_card(args.mask[0], card_results(res, cmd), figures=figures)
     if args.card and len(args.mask) > 1:
         from leank_infer.card import EVAL_FILE
 
@@ -453,6 +556,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             rows = None
             if not (Path(path) / EVAL_FILE).is_file() or "results" not in json.loads((Path(path) / EVAL_FILE).read_text()):
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
+                if "tasks" in row:
+                    rows = card_results({**row, "methods": ["full", "leank"]}, cmd)
             write_model_card(path, rows, figures=figures)
     if args.card and args.plot:
         import shutil

@@ -2,6 +2,7 @@
 
 Each stage is the LightningCLI run ``fit --config RECIPE --stage N`` (see :mod:`leank_train.cli`).
 Overrides ``--key value`` go to both stages; ``--stage1.key value`` / ``--stage2.key value`` to one.
+``--quick`` evaluates in the smoke-test mode of ``leank eval --quick`` (``--evaluate.quick true``).
 Stage 2 starts from the mask folder stage 1 exported (``--model.init_scores`` is set to it), and
 stage 2's export is the recipe's output mask repo. A recipe's ``compare_to`` (a committed mask folder)
 is read before training and, at the end, set beside the new mask (:mod:`leank_train.compare`).
@@ -181,9 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    # --quick: the evaluation's smoke-test mode (leank_train.evaluate.QUICK), for both stages' configs
+    rest = [a for a in args[1:] if a != "--quick"]
+    if len(rest) < len(args) - 1:
+        rest += ["--evaluate.quick", "true"]
     with one_line_errors("leank run"):
         read_recipe(args[0])  # a missing, binary or non-mapping recipe: one clear error before anything runs
-        return _run(args[0], split_overrides(args[1:]))
+        return _run(args[0], split_overrides(rest))
 
 
 def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
@@ -236,8 +241,8 @@ def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
 
     start = time.perf_counter()
     lm = LeanKModel.from_pretrained(out_dir)
-    res = evaluate(lm, settings.lengths, settings.samples, methods=settings.methods, seed=settings.seed,
-                   kl=settings.kl)
+    run = settings.resolved()
+    res = evaluate(lm, run.lengths, run.samples, methods=run.methods, seed=run.seed, kl=run.kl, tasks=run.tasks)
     command = settings.command(out_dir)
     write_model_card(out_dir, card_results(res, command))
     print(f"[leank run] evaluation ({time.perf_counter() - start:.0f} s): `{command}`\n{format_table(res)}",

@@ -349,7 +349,11 @@ def test_bench_refuses_contexts_beyond_the_models_positions(short_repo, capsys):
 
 
 def test_eval_refuses_lengths_beyond_the_models_positions(short_repo, capsys):
+    # the suite: a length is the whole budget (prompt + generation, as in RULER)
     code, err = cli(["eval", str(short_repo), "--lengths", "100000", "--samples", "1"], capsys)
+    assert code == 2 and "--lengths 100,000 exceeds the model's 64 positions" in err
+    # the needle kinds: a length is the prompt's, the answer comes on top
+    code, err = cli(["eval", str(short_repo), "--kinds", "passkey", "--lengths", "100000", "--samples", "1"], capsys)
     assert code == 2 and "--lengths 100,000 + 24 new tokens exceeds the model's 64 positions" in err
 
 

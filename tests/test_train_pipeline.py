@@ -23,9 +23,9 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
         "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
         "--data.num_samples", "2", "--data.min_length", "300", "--data.max_length", "400",
         "--stage1.export.dirpath", str(tmp_path / "stage1"), "--stage2.export.dirpath", str(tmp_path / "final"),
-        # a small evaluation: one short probe, the full model and the mask, no KL
+        # a small evaluation: one short passkey probe, the full model and the mask, no KL
         "--evaluate.lengths", "[300]", "--evaluate.samples", "1", "--evaluate.methods", "[full, leank]",
-        "--evaluate.kl", "false",
+        "--evaluate.kl", "false", "--evaluate.tasks", "[passkey]",
     ]
     assert main(["run", str(RECIPE), *overrides]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Evaluation statistics (leank_train.stats) and how they reach the table, the JSON and the model card."""
+
+from __future__ import annotations
+
+import pytest
+
+from leank_train.stats import mcnemar_p, paired_counts, probes_for_se, summarize, wilson_interval
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    lo, hi = wilson_interval(8, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.4902, 0.9433)
+    lo, hi = wilson_interval(10, 10)  # a perfect score still has room below
+    assert round(lo, 4) == 0.7225 and hi == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_paired_counts_and_exact_mcnemar():
+    full = [True, True, True, False, True, False]
+    meth = [True, False, False, False, True, True]
+    assert paired_counts(full, meth) == {"both": 2, "only_full": 2, "only_method": 1, "neither": 1}
+    assert mcnemar_p(0, 5) == pytest.approx(2 / 32)
+    assert mcnemar_p(3, 3) == 1.0 and mcnemar_p(0, 0) == 1.0
+    with pytest.raises(ValueError, match="same probes"):
+        paired_counts([True], [True, False])
+
+
+def test_probes_for_se():
+    # 8 tasks at p = 0.9: SE^2 = 8 * 0.09 / (n * 64) <= 0.0009  ->  n >= 12.5
+    assert probes_for_se([0.9] * 8) == 13
+    assert probes_for_se([1.0] * 4) == 6  # p(1-p) floored at 0.02
+
+
+def _answers():
+    """Task a: full 5/5, leank 4/5; task b: full 2/5 (not in the headline); length 100."""
+    rows = []
+    for i in range(5):
+        rows.append({"kind": "a", "length": 100, "correct": {"full": True, "leank": i != 0}})
+        rows.append({"kind": "b", "length": 100, "correct": {"full": i < 2, "leank": i in (2, 3, 4)}})
+    return rows
+
+
+def test_summary_cells_paired_counts_and_headline():
+    s = summarize(_answers(), ["full", "leank"], [100], ["a", "b"])
+    a = s["tasks"]["a"]["leank"][100]
+    assert (a["correct"], a["n"], a["accuracy"]) == (4, 5, 0.8)
+    assert a["paired"]["only_full"] == 1 and a["paired"]["only_method"] == 0
+    assert s["tasks"]["b"]["leank"][100]["paired"] == {"both": 0, "only_full": 2, "only_method": 3, "neither": 0,
+                                                       "mcnemar_p": 1.0}
+    h = s["headline"][100]
+    assert h["tasks"] == ["a"]  # b: the full model scores 40% there
+    assert h["full"]["score"] == 1.0 and h["leank"]["score"] == 0.8
+    assert h["leank"]["se"] == pytest.approx((0.8 * 0.2 / 5) ** 0.5)
+    assert h["leank"]["paired"]["only_full"] == 1
+
+
+def test_card_model_index_has_one_result_per_task_length_and_method(tmp_path):
+    """Through huggingface_hub's own EvalResult / ModelCardData round trip: length and method survive."""
+    import json
+
+    import torch
+    from huggingface_hub import ModelCard
+
+    from leank_infer import ChannelMask
+    from leank_infer.card import write_model_card
+    from leank_train.evaluate import card_results, format_table
+
+    rows = _answers() + [{**r, "length": 200} for r in _answers()]
+    res = {"methods": ["full", "leank"], "lengths": [100, 200],
+           **summarize(rows, ["full", "leank"], [100, 200], ["a", "b"])}
+    res = json.loads(json.dumps(res))  # as read back from --json: lengths become strings
+    res["lengths"] = [100, 200]
+    ChannelMask.from_scores(torch.rand(2, 2, 16), 0.5, 4).save_pretrained(tmp_path)
+    write_model_card(tmp_path, card_results(res, "leank eval x"))
+    card = ModelCard.load(tmp_path / "README.md")
+    got = {(r.dataset_args["task"], r.dataset_args["length"], r.metric_config): r for r in card.data.eval_results}
+    want = {(t, n, m) for t in ("a", "b", "headline") for n in (100, 200) for m in ("full", "leank")}
+    assert set(got) == want
+    r = got[("a", 200, "leank")]
+    assert r.dataset_name == "leank-ruler a, 200 tokens" and r.metric_name == "accuracy (leank)"
+    assert r.metric_value == 0.8 and r.metric_args["paired_vs_full"]["only_full"] == 1
+    assert r.metric_args["wilson95"] == pytest.approx(list(wilson_interval(4, 5)))
+    assert got[("headline", 100, "leank")].dataset_args["tasks"] == ["a"]
+    # the card's table and the printed table carry the interval and the paired counts
+    assert "| leank-ruler a, 100 tokens | 5/5 1.00 [0.57, 1.00] | 4/5 0.80 [0.38, 0.96] -1/+0 |" in card.text
+    table = format_table(res)
+    assert "| a | leank | 4/5 0.80 [0.38, 0.96] -1/+0 | 4/5 0.80 [0.38, 0.96] -1/+0 |" in table
+    assert "headline tasks at 100 tokens (1): a" in table
