@@ -6,11 +6,13 @@ import copy
 
 import pytest
 import torch
+from conftest import documented_recent_from
 from torch import nn
 from transformers.masking_utils import sdpa_mask
 
-from leank_infer.attention import ChannelGroups, leank_attention_forward
+from leank_infer.attention import leank_attention_forward
 from leank_infer.cache import LeanKCache, LeanKLayer
+from leank_infer.layout import ChannelGroups
 from leank_infer.mask import ChannelMask
 from leank_infer.masked_attention import leank_attention
 
@@ -57,6 +59,8 @@ class _Run:
             self.pad[b, t0 - n :] = True  # left padding
         self.starts = (~self.pad).sum(-1)
         self.k = self.v = None
+        self.prefill = None
+        self.recent_from = 0
 
     def _rand(self, q_len: int):
         b = self.pad.shape[0]
@@ -78,7 +82,12 @@ class _Run:
             q_offset=past,
             attention_mask=self.pad,
         )
-        kwargs: dict = {}
+        if self.prefill is None:
+            self.prefill = past + q_len
+        # the documented schedule, from token positions only (never from the cache under test)
+        self.recent_from = documented_recent_from(self.prefill, past, RECENT, ACCUMU) if past else 0
+        real = self.pad[:, : past + q_len].long()
+        kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}  # as generate() numbers them
         kk, vv = self.layer.update(k, v, kwargs=kwargs)
         assert kwargs["leank_layer"] is self.layer
         out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=D**-0.5, **kwargs)
@@ -86,7 +95,7 @@ class _Run:
         return out, mask
 
     def reference(self, upcast: bool = False) -> torch.Tensor:
-        """The dense LeanK rule per new query, with the recent boundary at the cache's ``recent_start``."""
+        """The dense LeanK rule per new query, its full recent part from the documented schedule."""
         total, q_len = self.k.shape[2], self.q.shape[2]
         cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
         outs = []
@@ -100,7 +109,7 @@ class _Run:
                     self.keep.float(),
                     torch.tensor([p]),
                     SINK,
-                    p - self.layer.recent_start,
+                    p - self.recent_from,
                     D**-0.5,
                     key_start=self.starts,
                     key_padding_mask=self.pad[:, : p + 1],
@@ -143,7 +152,7 @@ def test_zero_heads_skip_their_middle_keys():
     out1, _ = run.step(1)
     # shift every middle V in the dense copy: the zero head (kv head 0) must not notice
     zero_q = slice(0, GROUPS)  # query heads of kv head 0
-    run.v[:, :, SINK : run.layer.recent_start] += 100.0
+    run.v[:, :, SINK : run.recent_from] += 100.0
     ref = run.reference()
     assert _rel_err(out1[:, :, zero_q], ref[:, :, zero_q]) < 1e-5
     # while the other heads do read middle V
@@ -232,14 +241,28 @@ def test_cache_refuses_other_attention_implementations(family):
             model(ids[:, :1], cache=cache)
 
 
-def test_row_starts_fall_back_to_position_ids():
-    """If the prefill was attended by another implementation, row starts come from generate's position ids."""
+def test_row_starts_come_from_position_ids():
+    """The cache compresses at its prefill update, before any attention: row starts come from generate's
+    position ids (real tokens numbered from 0 after left padding)."""
     layer = LeanKLayer(_keep(), SINK, RECENT, ACCUMU)
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 1, 2, 3, 4, 5]])  # row 1: 4 pads
     k, v = torch.randn(2, HKV, 10, D), torch.randn(2, HKV, 10, D)
     layer.update(k, v, kwargs={"position_ids": pos})
-    assert layer.prefill_pending
-    layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
-    assert not layer.prefill_pending
+    assert layer.prefilling
     assert layer.starts.tolist() == [0, 4]
     assert layer.head_len == 4 + SINK
+    layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
+    assert not layer.prefilling
+
+
+def test_padding_the_positions_do_not_show_is_refused():
+    """A left-padded mask whose position ids number the padding (a plain forward without position_ids)
+    would put padding into the sink: the prefill attention says so instead of decoding wrongly."""
+    run = _Run(_keep(), [20, 14])
+    layer = run.layer
+    q, k, v = run._rand(20)
+    mask = sdpa_mask(batch_size=2, q_length=20, kv_length=20, q_offset=0, attention_mask=run.pad)
+    kwargs: dict = {"position_ids": torch.arange(20).expand(2, 20)}
+    layer.update(k, v, kwargs=kwargs)
+    with pytest.raises(ValueError, match="position_ids"):
+        leank_attention_forward(_Attn(), q, k, v, mask, scaling=D**-0.5, **kwargs)
