@@ -24,7 +24,10 @@ BACKENDS = ("torch", "triton", "auto")
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: the argument, else ``LEANK_BACKEND``, else "auto" (checked against BACKENDS)."""
     if backend is None:
-        backend = os.environ.get("LEANK_BACKEND", "auto").strip().lower() or "auto"
+        backend = os.environ.get("LEANK_BACKEND")
+        if backend is None:
+            return "auto"
+        backend = backend.strip().lower() or "auto"
         if backend not in BACKENDS:
             raise ValueError(f"LEANK_BACKEND must be one of {BACKENDS}, got {backend!r}")
     backend = backend.lower()

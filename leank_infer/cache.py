@@ -125,13 +125,13 @@ class LeanKLayer(CacheLayerMixin):
 
     def layout(self) -> DecodeLayout:
         """This layer's compressed K/V as the decode backends read it."""
-        full = self.head_len + self.tail_len
+        full, n = self.head_len + self.tail_len, self.mid_len
         return DecodeLayout(
-            self._full_k[:, :, :full],
-            self._full_v[:, :, :full],
+            self._full_k.narrow(2, 0, full),
+            self._full_v.narrow(2, 0, full),
             self.head_len,
-            tuple(self.mid_k),
-            self.mid_v,
+            tuple(t.narrow(2, 0, n) for t in self._mid_k),
+            self._mid_v.narrow(2, 0, n),
             self.groups,
             self.starts,
             self.sink_size,
@@ -217,8 +217,7 @@ class LeanKLayer(CacheLayerMixin):
         self.recent_start = decode_recent_from(self.recent_start, self.length, self.recent_size, self.accumu_size)
         self._roll()
         self._append(key_states, value_states)
-        full = self.head_len + self.tail_len
-        return self._full_k[:, :, :full], self._full_v[:, :, :full]
+        return key_states, value_states  # the "leank" attention reads layout(), not these
 
     def _check_attention(self) -> None:
         impl = getattr(self._config, "_attn_implementation", ATTN_IMPLEMENTATION)
@@ -305,8 +304,8 @@ class LeanKLayer(CacheLayerMixin):
             cap = pos + q_len + self.accumu_size + 1
             self._full_k = _grow(self._full_k, pos, cap)
             self._full_v = _grow(self._full_v, pos, cap)
-        self._full_k[:, :, pos : pos + q_len] = k
-        self._full_v[:, :, pos : pos + q_len] = v
+        self._full_k.narrow(2, pos, q_len).copy_(k)
+        self._full_v.narrow(2, pos, q_len).copy_(v)
         self.head_len += take
         self.tail_len += q_len - take
         self.length += q_len

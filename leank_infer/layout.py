@@ -29,10 +29,12 @@ from .rule import key_regions
 class ChannelGroups:
     """How one layer's KV heads are grouped by kept-channel count, so that each group is one dense tensor.
 
-    ``heads[g]`` are the KV heads of group g (all keep ``counts[g] > 0`` channels), ``channels[g]``
-    their kept channel indices ``[Hg, counts[g]]``. Middle V is stored for the heads of
-    ``nonzero_order`` (groups one after the other), so group g's V is the slice
-    ``[v_offsets[g], v_offsets[g] + len(heads[g]))``: no gather over the cache at decode.
+    A group is a run of consecutive KV heads with the same nonzero kept count: ``heads[g]`` (all
+    keep ``counts[g]`` channels), ``channels[g]`` their kept channel indices ``[Hg, counts[g]]``.
+    Zero-channel heads belong to no group. Middle V is stored for the heads of ``nonzero_order``
+    (the nonzero heads in KV-head order), so group g's V is the slice ``[v_offsets[g], v_offsets[g]
+    + len(heads[g]))`` and every run of consecutive nonzero heads is one slice too: no gather over
+    the cache at decode, and scores stay in KV-head order.
     """
 
     keep: torch.Tensor  # [Hkv, D] bool
@@ -45,22 +47,60 @@ class ChannelGroups:
 
     @classmethod
     def from_keep(cls, keep: torch.Tensor) -> ChannelGroups:
-        """Group the KV heads of one layer (``keep``: ``[Hkv, D]`` bool) by kept count, zero-count heads left out."""
+        """Group the KV heads of one layer (``keep``: ``[Hkv, D]`` bool) into runs of equal nonzero kept count."""
         keep = keep.bool()
-        counts = keep.sum(-1)
+        counts = keep.sum(-1).tolist()
         heads, channels, sizes, offsets = [], [], [], []
-        offset = 0
-        for c in sorted({int(x) for x in counts.tolist()} - {0}):
-            idx = torch.nonzero(counts == c).flatten()
-            # kept channel indices of each head, ascending
-            ch = torch.stack([torch.nonzero(keep[h]).flatten() for h in idx.tolist()])
-            heads.append(idx)
-            channels.append(ch)
-            sizes.append(c)
-            offsets.append(offset)
-            offset += len(idx)
+        h = offset = 0
+        while h < len(counts):
+            c, end = counts[h], h + 1
+            while end < len(counts) and counts[end] == c:
+                end += 1
+            if c:
+                idx = torch.arange(h, end)
+                heads.append(idx)
+                # kept channel indices of each head, ascending
+                channels.append(torch.stack([torch.nonzero(keep[x]).flatten() for x in range(h, end)]))
+                sizes.append(int(c))
+                offsets.append(offset)
+                offset += end - h
+            h = end
         order = torch.cat(heads) if heads else torch.zeros(0, dtype=torch.long)
         return cls(keep, tuple(heads), tuple(channels), tuple(sizes), tuple(offsets), order)
+
+    def score_plan(self, groups_per_kv: int) -> tuple[tuple[int, int, int, int], ...]:
+        """The middle's score blocks in KV-head order, ``(group or -1 for zero heads, heads, count,
+        offset into the gathered query)`` (memoised: the decode fast path walks it every step)."""
+        key = ("plan", groups_per_kv)
+        if key not in self._memo:
+            plan, off, firsts = [], 0, [int(h[0]) for h in self.heads]
+            for first, end, v_off in self.runs():
+                if v_off is None:
+                    plan.append((-1, end - first, 0, 0))
+                    continue
+                for gi, f in enumerate(firsts):
+                    if first <= f < end:
+                        hg, c = len(self.heads[gi]), self.counts[gi]
+                        plan.append((gi, hg, c, off))
+                        off += hg * groups_per_kv * c
+            self._memo[key] = tuple(plan)
+        return self._memo[key]
+
+    def runs(self) -> tuple[tuple[int, int, int | None], ...]:
+        """KV heads in order as runs ``(first, end, v_offset)``: ``v_offset`` is where a run of nonzero
+        heads starts in middle V, None for a run of zero-channel heads (memoised)."""
+        if "runs" not in self._memo:
+            nonzero = self.keep.any(-1).tolist()
+            out, h, v = [], 0, 0
+            while h < len(nonzero):
+                end = h + 1
+                while end < len(nonzero) and nonzero[end] == nonzero[h]:
+                    end += 1
+                out.append((h, end, v if nonzero[h] else None))
+                v += (end - h) if nonzero[h] else 0
+                h = end
+            self._memo["runs"] = tuple(out)
+        return self._memo["runs"]
 
     @property
     def num_kv_heads(self) -> int:
@@ -84,14 +124,6 @@ class ChannelGroups:
             empty = torch.zeros(0, dtype=torch.long, device=self.keep.device)
             self._memo[key] = torch.cat(parts) if parts else empty
         return self._memo[key]
-
-    @property
-    def all_nonzero_in_order(self) -> bool:
-        """Every head keeps channels and middle V is in KV-head order (no index shuffles at decode)."""
-        if "in_order" not in self._memo:
-            hkv = self.num_kv_heads
-            self._memo["in_order"] = self.nonzero_order.tolist() == list(range(hkv))
-        return self._memo["in_order"]
 
     def to(self, device: torch.device | str) -> ChannelGroups:
         move = lambda ts: tuple(t.to(device) for t in ts)  # noqa: E731
@@ -124,7 +156,7 @@ class DecodeMasks:
         return self.head_full is None and self.head_mid is None and self.mid is None and self.tail is None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeLayout:
     """One layer's compressed K/V as views (see the module docstring); built by the cache, read by backends."""
 

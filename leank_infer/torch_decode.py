@@ -7,10 +7,9 @@ gives an unnormalised partial and the parts merge by log-sum-exp, as in flash-de
 
 Two paths compute the same thing:
 
-- fast (one query per row, trivial masks, fp32 on CPU, no soft-cap): head + tail in one fused
-  SDPA call that also returns its log-sum-exp, the middle in one gather of q, one matmul per
-  group and one against V, and a sigmoid-weighted ``lerp`` to merge: ~15 ops per layer, none of
-  them over the cache but the matmuls;
+- fast (one query per row, trivial masks, fp32 on CPU, no soft-cap): one matmul for the head +
+  tail scores, one gather of q and one matmul per kept-count group for the middle scores, one
+  softmax over both, two products with V: about ten ops per layer, no reduction statistics to merge;
 - general (left padding, several queries, model masks, soft-cap, half precision, CUDA): explicit
   scores with the region masks, fp32 softmax statistics.
 """
@@ -24,7 +23,6 @@ from .rule import apply_softcap, gqa_view
 
 _NEG_INF = float("-inf")
 _FLOOR = -1e30  # finite floor of running maxima: exp(-inf - floor) = 0, exp(floor - floor) = 1
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def torch_decode_attention(
@@ -43,8 +41,7 @@ def torch_decode_attention(
 def fast_path_applies(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, softcap: float | None) -> bool:
     """Whether :func:`torch_decode_attention` takes its fused path for these inputs."""
     return (
-        _FLASH_CPU is not None
-        and masks.trivial
+        masks.trivial
         and softcap is None
         and query.shape[2] == 1
         and query.device.type == "cpu"
@@ -55,31 +52,49 @@ def fast_path_applies(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMa
 
 
 def _fast(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Tensor:
+    """One softmax over [full scores | middle scores] per head, then the products with V; groups and
+    middle V are in KV-head order (:class:`~leank_infer.layout.ChannelGroups`), so no index shuffles.
+    Products are 3-D ``bmm`` on views of the cache's storage (no copies of K or V); the scale rides
+    on them (``alpha``)."""
     b, hq, _, d = query.shape
     groups = layout.groups
     hkv = groups.num_kv_heads
     g = hq // hkv
-    q4 = query.reshape(b, hkv, g, d)
-    out, lse_full = _FLASH_CPU(q4, layout.full_k, layout.full_v, 0.0, False, scale=scaling)
+    full = layout.full_k.shape[2]
+    kt = layout.full_k.reshape(b * hkv, full, d).transpose(1, 2)
+    s_full = torch.baddbmm(_ZERO, query.reshape(b * hkv, g, d), kt, beta=0, alpha=scaling)  # [B*Hkv, G, F]
     n = layout.mid_len
-    if n and groups.counts:
-        q_sel = query.reshape(b, hq * d).index_select(1, groups.query_index(g, d)).mul_(scaling)
-        scores, off = [], 0
-        for k, c in zip(layout.mid_k, groups.counts, strict=True):
-            hg = k.shape[1]
-            qg = q_sel[:, off : off + hg * g * c].view(b, hg, g, c)
-            scores.append(torch.matmul(qg, k.transpose(-1, -2)))  # [B, Hg, G, n]
-            off += hg * g * c
-        s = scores[0] if len(scores) == 1 else torch.cat(scores, 1)
-        lse_mid = torch.logsumexp(s, -1)
-        o_mid = torch.matmul(s.sub_(lse_mid.unsqueeze(-1)).exp_(), layout.mid_v)  # [B, Hnz, G, D]
-        if groups.all_nonzero_in_order:
-            out = torch.lerp(o_mid, out, torch.sigmoid(lse_full - lse_mid).unsqueeze(-1))
-        else:  # zero-channel heads (no middle) or middle V in group order
-            nz = groups.nonzero_order
-            w = torch.sigmoid(lse_full.index_select(1, nz) - lse_mid).unsqueeze(-1)
-            out = out.index_copy(1, nz, torch.lerp(o_mid, out.index_select(1, nz), w))
-    return out.reshape(b, 1, hq, d)
+    dv = layout.full_v.shape[-1]
+    full_v = layout.full_v.reshape(b * hkv, full, dv)
+    if n == 0 or not groups.counts:
+        return torch.bmm(s_full.softmax(-1), full_v).view(b, 1, hq, dv)
+    q_sel = query.reshape(b, hq * d).index_select(1, groups.query_index(g, d))
+    blocks = []
+    for gi, hg, c, off in groups.score_plan(g):
+        if gi < 0:  # zero-channel heads: no middle key
+            blocks.append(_NEG_INF_T.expand(b, hg, g, n))
+            continue
+        qg = q_sel[:, off : off + hg * g * c].reshape(b * hg, g, c)
+        kg = layout.mid_k[gi].reshape(b * hg, n, c).transpose(1, 2)
+        blocks.append(torch.baddbmm(_ZERO, qg, kg, beta=0, alpha=scaling).view(b, hg, g, n))
+    s_mid = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)  # [B, Hkv, G, n]
+    p = torch.cat([s_full.view(b, hkv, g, full), s_mid], -1).softmax(-1).view(b * hkv, g, full + n)
+    out = torch.bmm(p[:, :, :full], full_v)  # [B * Hkv, G, Dv]
+    mid_v = layout.mid_v
+    for first, end, v_off in groups.runs():
+        if v_off is None:
+            continue
+        h = end - first
+        if h == hkv:  # every head keeps channels: one fused product-and-add
+            out = torch.baddbmm(out, p[:, :, full:], mid_v.reshape(b * h, n, dv))
+        else:
+            p4 = p.view(b, hkv, g, full + n)[:, first:end, :, full:]
+            out.view(b, hkv, g, dv)[:, first:end] += torch.matmul(p4, mid_v[:, v_off : v_off + h])
+    return out.view(b, 1, hq, dv)
+
+
+_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0): the scale is its alpha
+_NEG_INF_T = torch.tensor(float("-inf"))
 
 
 # ---- general path ---------------------------------------------------------------------------------
