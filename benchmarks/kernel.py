@@ -90,8 +90,9 @@ def build_inputs(
     starts: list[int] | None = None,
     device: str = "cuda",
 ):
-    """(dense q/k/v/padding, leank_decode_attention args) over one random cache; rows may start late (left padding)."""
-    from leank_infer.attention import ChannelGroups
+    """(dense q/k/v/padding, decode contract args ``(query, layout, masks, scaling)``) over one random cache;
+    rows may start late (left padding)."""
+    from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks
 
     dev = torch.device(device)
     b, hkv, d = cfg.batch, cfg.kv_heads, cfg.head_dim
@@ -112,17 +113,35 @@ def build_inputs(
     s = starts_t.view(-1, 1)
     head_full = ((j >= s) & (j < s + cfg.sink)).unsqueeze(1)
     head_mid = (j >= s + cfg.sink).unsqueeze(1)
-    args = (
-        q, k[:, :, :h].contiguous(), v[:, :, :h].contiguous(), k[:, :, m:].contiguous(), v[:, :, m:].contiguous(),
-        mid_k, mid_v, groups, head_full, head_mid, None, None, d**-0.5,
-    )  # fmt: skip
+    layout = DecodeLayout.from_parts(
+        k[:, :, :h], v[:, :, :h], k[:, :, m:], v[:, :, m:], mid_k, mid_v, groups, starts_t, cfg.sink
+    )
+    args = (q, layout, DecodeMasks(head_full, head_mid), d**-0.5)
     pad = (torch.arange(cfg.seq_len, device=dev).view(1, -1) >= s).view(b, 1, 1, -1)
     return (q, k, v, pad), args
 
 
 def _fp32(args: tuple) -> tuple:
-    up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-    return tuple([up(t) for t in a] if isinstance(a, list) else up(a) for a in args)
+    """The same decode case in fp32 (the reference's precision)."""
+    import dataclasses
+
+    q, layout, *rest = args
+    up = lambda t: t.float()  # noqa: E731
+    layout = dataclasses.replace(
+        layout, full_k=up(layout.full_k), full_v=up(layout.full_v), mid_k=tuple(up(k) for k in layout.mid_k),
+        mid_v=up(layout.mid_v),
+    )  # fmt: skip
+    return (up(q), layout, *rest)
+
+
+def _dense_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, head: int, masks, scaling: float):
+    """Every key with all channels (a full mask): head ``[0, head)``, the rest as tail, no middle."""
+    from leank_infer.layout import ChannelGroups, DecodeLayout
+
+    ones = ChannelGroups.from_keep(torch.ones_like(keep)).to(k.device)
+    empty_v = v.new_zeros(v.shape[0], v.shape[1], 0, v.shape[3])
+    layout = DecodeLayout.from_parts(k[:, :, :head], v[:, :, :head], k[:, :, head:], v[:, :, head:], [], empty_v, ones)
+    return (q, layout, masks, scaling)
 
 
 TOLERANCE = {"fp16": 1e-3, "bf16": 8e-3}  # relative (norm) error against an fp32 evaluation
@@ -136,7 +155,8 @@ def check_correctness(
     dtypes: tuple[str, ...] = ("fp16", "bf16"),
 ) -> list[str]:
     """Kernel vs the PyTorch path (in fp32 on the same values), and full-mask kernel vs SDPA; left-padded batch of 2."""
-    from leank_infer.attention import ChannelGroups, leank_decode_attention
+    from leank_infer.layout import DecodeMasks
+    from leank_infer.torch_decode import torch_decode_attention
     from leank_infer.triton_decode import triton_decode_attention
 
     lines, ok = [], True
@@ -145,20 +165,19 @@ def check_correctness(
         dtype, tol = DTYPES[name], TOLERANCE[name]
         torch.manual_seed(0)
         (_, k, v, pad), args = build_inputs(cfg, keep, dtype, starts=[0, 45], device=device)
-        ref = leank_decode_attention(*_fp32(args))
+        ref = torch_decode_attention(*_fp32(args))
         got = triton_decode_attention(*args)
         rel = float((got.float() - ref).norm() / ref.norm())
         good = bool(torch.isfinite(got).all()) and rel < tol
         # Gemma 2's soft-capping, at a cap the N(0, 1) logits here feel (GPU exp2/division, not numpy's)
-        ref_cap = leank_decode_attention(*_fp32(args), softcap=SOFTCAP)
+        ref_cap = torch_decode_attention(*_fp32(args), softcap=SOFTCAP)
         got_cap = triton_decode_attention(*args, softcap=SOFTCAP)
         rel_cap = float((got_cap.float() - ref_cap).norm() / ref_cap.norm())
         good &= bool(torch.isfinite(got_cap).all()) and rel_cap < tol
         # with a full-channel mask the kernel must equal dense attention
-        ones = ChannelGroups.from_keep(torch.ones_like(keep)).to(k.device)
-        h = args[1].shape[2]
-        dense_args = (args[0], k[:, :, :h], v[:, :, :h], k[:, :, h:], v[:, :, h:], [], None, ones,
-                      args[8] | args[9], torch.zeros_like(args[9]), None, None, args[-1])  # fmt: skip
+        masks = args[2]
+        full_head = DecodeMasks(masks.head_full | masks.head_mid, torch.zeros_like(masks.head_mid))
+        dense_args = _dense_case(args[0], k, v, keep, args[1].head_len, full_head, args[-1])
         got_dense = triton_decode_attention(*dense_args)
         q = args[0]
         sdpa = torch.nn.functional.scaled_dot_product_attention(
@@ -218,7 +237,7 @@ def _time_or_nan(fn) -> float:
 
 def bench_one(cfg: LayerConfig, keep: torch.Tensor, dtype: torch.dtype, bw: float) -> dict[str, float]:
     """Times (ms) of the dense baselines and of LeanK for one configuration, with LeanK's byte floor."""
-    from leank_infer.attention import ChannelGroups
+    from leank_infer.layout import DecodeMasks
     from leank_infer.triton_decode import triton_decode_attention
 
     item = torch.empty((), dtype=dtype).element_size()
@@ -238,10 +257,7 @@ def bench_one(cfg: LayerConfig, keep: torch.Tensor, dtype: torch.dtype, bw: floa
     except (ImportError, torch.OutOfMemoryError):
         torch.cuda.empty_cache()
     # dense flash-decoding with the same kernel: every key in the full "tail", all channels
-    ones = ChannelGroups.from_keep(torch.ones_like(keep)).to(q.device)
-    none = torch.zeros(cfg.batch, 1, 0, dtype=torch.bool, device=q.device)
-    empty = k[:, :, :0]
-    dense_args = (q, empty, empty, k, v, [], None, ones, none, none, None, None, args[-1])
+    dense_args = _dense_case(q, k, v, keep, 0, DecodeMasks(), args[-1])
     row["dense_kernel"] = time_ms(partial(triton_decode_attention, *dense_args))
     del k, v, dense_args
     row["leank"] = time_ms(partial(triton_decode_attention, *args))

@@ -1,21 +1,22 @@
-"""The LeanK KV cache for transformers: full head and tail, channel-pruned middle.
+"""The LeanK KV cache for transformers: full head and tail, channel-pruned middle, preallocated.
 
-Per layer, in padded (left-padding) coordinates ``[0, T)``:
+Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infer.layout`):
 
-- head ``[0, H)``, all channels, ``H = min(T, max_row_start + sink_size)``: the sink of every row
-  (with left padding a row's later head tokens are middle tokens *for that row*; the attention
-  scores them with the kept channels only, which is cheap as the head is small),
-- middle ``[H, M)``: K keeps only the masked channels, one dense tensor per group of KV heads with
-  equal kept count (stored transposed, ``[B, Hg, c, n]``, so q @ K^T reads keys contiguously;
-  ``mid_k`` gives ``[B, Hg, n, c]`` views); V only for heads that keep any channel,
+- head ``[0, H)``, all channels, ``H = min(T, max_row_start + sink_size)``: the sink of every row,
+- middle ``[H, M)``: K keeps only the masked channels, one tensor per group of KV heads with
+  equal kept count (``[B, Hg, n, c]``), V only for heads that keep any channel,
 - tail ``[M, T)``, all channels: the recent tokens, new tokens are appended here.
 
-``recent_start`` (R) is where the full recent part begins for the LeanK rule: keys in
-``[row_start + sink, R)`` are middle keys. Prefill runs ordinary attention over what was passed,
-then compresses (``R = T0 - recent_size``). Before each later update, while the full part
-``[R, T)`` holds more than ``recent_size + accumu_size`` tokens, R advances by ``accumu_size``
-and the tail tokens below it move to the middle: new tokens are never compressed before they
-have been attended with all channels.
+The layer owns its state changes: the prefill update compresses at once (the attention of the
+prefill runs on the K/V it was given), and before each later update the full recent part
+``[R, T)`` gives its oldest ``accumu_size`` tokens to the middle while it holds more than
+``recent_size + accumu_size`` (:func:`~leank_infer.rule.decode_recent_from`). The attention only
+reads :meth:`LeanKLayer.layout`.
+
+Storage is preallocated: head and tail share one ``[B, Hkv, cap, D]`` buffer sized for
+``head + recent + accumu + 1`` tokens (a decode step writes one slot; every ``accumu_size`` steps
+the tail shifts down by ``accumu_size``), the middle grows in chunks of :data:`MID_CHUNK` tokens.
+Row starts come from ``position_ids`` (generate numbers each row's real tokens from 0).
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ from transformers.cache_utils import (
 )
 
 from . import layer_handoff
-from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
+from .attention import ATTN_IMPLEMENTATION
+from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
 from .mask import ChannelMask, dense_layers_of
+from .rule import decode_recent_from
+
+MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -48,9 +53,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """A copy holding exactly its own elements (a slice must not keep the whole parent storage alive)."""
-    return t.clone(memory_format=torch.contiguous_format)
+def _grow(buf: torch.Tensor, used: int, cap: int) -> torch.Tensor:
+    """A buffer like ``buf`` with capacity ``cap`` on axis 2, its first ``used`` slots copied."""
+    shape = list(buf.shape)
+    shape[2] = cap
+    out = buf.new_empty(shape)
+    out[:, :, :used] = buf[:, :, :used]
+    return out
 
 
 class LeanKLayer(CacheLayerMixin):
@@ -80,40 +89,70 @@ class LeanKLayer(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
-        self.head_k = self.head_v = self.tail_k = self.tail_v = self.mid_v = None
-        self._mid_kt: list[torch.Tensor] = []
+        self._full_k = self._full_v = self._mid_v = None
+        self._mid_k: list[torch.Tensor] = []
+        self.head_len = self.tail_len = self.mid_len = 0
         self.starts: torch.Tensor | None = None
+        self.padded = False
         self.head_target = self.sink_size
         self.recent_start = 0
         self.length = 0
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._prefill_positions: torch.Tensor | None = None
+        self.prefilling = False  # True during the forward that filled the empty layer (its attention is dense)
+        self.starts_hint: torch.Tensor | None = None  # row starts when the prefill has no position_ids
         self.is_initialized = False
 
-    # ---- sizes -------------------------------------------------------------------------------
+    # ---- sizes and views -----------------------------------------------------------------------
     @property
-    def head_len(self) -> int:
-        return 0 if self.head_k is None else self.head_k.shape[2]
+    def head_k(self) -> torch.Tensor:
+        return self._full_k[:, :, : self.head_len]
 
     @property
-    def mid_len(self) -> int:
-        return (
-            self._mid_kt[0].shape[3] if self._mid_kt else (0 if self.mid_v is None else self.mid_v.shape[2])
-        )
+    def head_v(self) -> torch.Tensor:
+        return self._full_v[:, :, : self.head_len]
+
+    @property
+    def tail_k(self) -> torch.Tensor:
+        return self._full_k[:, :, self.head_len : self.head_len + self.tail_len]
+
+    @property
+    def tail_v(self) -> torch.Tensor:
+        return self._full_v[:, :, self.head_len : self.head_len + self.tail_len]
 
     @property
     def mid_k(self) -> list[torch.Tensor]:
-        """Middle K per head group as ``[B, Hg, n, c]`` views (stored transposed: keys contiguous per channel)."""
-        return [t.transpose(-1, -2) for t in self._mid_kt]
+        """Middle K per head group as ``[B, Hg, n, c]`` views of the preallocated storage."""
+        return [t[:, :, : self.mid_len] for t in self._mid_k]
 
     @property
-    def tail_len(self) -> int:
-        return 0 if self.tail_k is None else self.tail_k.shape[2]
+    def mid_v(self) -> torch.Tensor:
+        return self._mid_v[:, :, : self.mid_len]
 
-    @property
-    def prefill_pending(self) -> bool:
-        """True between the prefill update and its attention: K/V are still uncompressed."""
-        return self._pending is not None
+    def layout(self) -> DecodeLayout:
+        """This layer's compressed K/V as the decode backends read it."""
+        full, n = self.head_len + self.tail_len, self.mid_len
+        return DecodeLayout(
+            self._full_k.narrow(2, 0, full),
+            self._full_v.narrow(2, 0, full),
+            self.head_len,
+            tuple(t.narrow(2, 0, n) for t in self._mid_k),
+            self._mid_v.narrow(2, 0, n),
+            self.groups,
+            self.starts,
+            self.sink_size,
+            self.recent_start,
+            self.length,
+            self.padded,
+        )
+
+    def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
+        """Region masks of this step (:func:`~leank_infer.layout.decode_masks`), built once per step for all layers."""
+        if attention_mask is None and q_len == 1 and not self.padded:
+            return DecodeMasks()
+        key = (self.length, q_len, self.head_len, self.mid_len, self.recent_start)
+        memo = self._shared
+        if memo.get("key") != key or memo.get("mask") is not attention_mask:
+            memo.update(key=key, mask=attention_mask, masks=decode_masks(self.layout(), attention_mask, q_len))
+        return memo["masks"]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -124,12 +163,23 @@ class LeanKLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self._full_k, self._full_v, self._mid_v, *self._mid_k) if t is not None]
+
     def nbytes(self) -> int:
-        """Bytes of K/V this layer really holds (distinct storages)."""
-        pending = self._pending or ()
-        return storage_bytes(
-            [self.head_k, self.head_v, self.tail_k, self.tail_v, self.mid_v, *self._mid_kt, *pending]
-        )
+        """Bytes of the K/V this layer holds: the tokens stored, each with its channels (the mask's formula)."""
+        if not self.is_initialized:
+            return 0
+        full = self.head_len + self.tail_len
+        item = self._full_k.element_size()
+        b = self._full_k.shape[0]
+        per_full = self._full_k.shape[1] * (self._full_k.shape[3] + self._full_v.shape[3])
+        per_mid = sum(t.shape[1] * t.shape[3] for t in self._mid_k) + self._mid_v.shape[1] * self._mid_v.shape[3]
+        return b * item * (full * per_full + self.mid_len * per_mid)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of storage reserved (>= :meth:`nbytes`: the preallocated spare slots included)."""
+        return storage_bytes(self._tensors())
 
     # ---- filling -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -140,14 +190,6 @@ class LeanKLayer(CacheLayerMixin):
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.groups = self.groups.to(self.device)
-        empty = key_states.new_empty(b, hkv, 0, d)
-        self.head_k = self.tail_k = empty
-        self.head_v = self.tail_v = value_states.new_empty(b, hkv, 0, value_states.shape[-1])
-        self._mid_kt = [
-            key_states.new_empty(b, len(h), c, 0)
-            for h, c in zip(self.groups.heads, self.groups.counts, strict=True)
-        ]
-        self.mid_v = value_states.new_empty(b, len(self.groups.nonzero_order), 0, value_states.shape[-1])
         self.starts = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -159,28 +201,27 @@ class LeanKLayer(CacheLayerMixin):
         kwargs: dict | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new K/V. Prefill: kept whole until its attention ran; later: appended (head first, then tail).
+        """Store new K/V; returns what the attention of this forward reads.
 
-        ``kwargs`` is the attention kwargs dict of the calling module: the layer puts itself there
-        as ``leank_layer`` for the ``"leank"`` attention function to find.
+        Prefill (an empty layer): compressed at once; its attention runs on the K/V given, returned
+        as they are. Later: the schedule's compression, then the new tokens join the head (until it
+        holds every row's sink) or the tail. ``kwargs`` is the attention kwargs dict of the calling
+        module: the layer puts itself there as ``leank_layer`` for the ``"leank"`` attention to read.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if isinstance(kwargs, dict):
             kwargs["leank_layer"] = self
-        if self.length == 0 and self._pending is None:
-            self._pending = (key_states, value_states)
-            self._prefill_positions = kwargs.get("position_ids") if isinstance(kwargs, dict) else None
-            self.length = key_states.shape[2]
+        self.prefilling = self.length == 0
+        if self.prefilling:
+            positions = kwargs.get("position_ids") if isinstance(kwargs, dict) else None
+            self._prefill(key_states, value_states, positions)
             return key_states, value_states
         self._check_attention()
-        if (
-            self._pending is not None
-        ):  # the prefill was not attended by "leank": take row starts from positions
-            self.finish_prefill(self._starts_from_positions())
+        self.recent_start = decode_recent_from(self.recent_start, self.length, self.recent_size, self.accumu_size)
         self._roll()
         self._append(key_states, value_states)
-        return self.tail_k, self.tail_v
+        return key_states, value_states  # the "leank" attention reads layout(), not these
 
     def _check_attention(self) -> None:
         impl = getattr(self._config, "_attn_implementation", ATTN_IMPLEMENTATION)
@@ -190,92 +231,103 @@ class LeanKLayer(CacheLayerMixin):
                 "use LeanKModel, or model.set_attn_implementation('leank') after importing leank_infer.attention"
             )
 
-    def _starts_from_positions(self) -> torch.Tensor:
-        pos = self._prefill_positions
-        b, t = self._pending[0].shape[0], self._pending[0].shape[2]
-        if pos is None or pos.shape[-1] != t:
-            return torch.zeros(b, dtype=torch.long, device=self.device)
-        # generate() numbers real tokens from 0 after left padding: start = T - 1 - position of the last token
-        start = (t - 1 - pos.reshape(-1, t)[:, -1].to(self.device).long()).clamp(0, t - 1)
-        return start.expand(b).contiguous()
+    @staticmethod
+    def starts_from_positions(positions: torch.Tensor | None, batch: int, t: int, device: torch.device) -> torch.Tensor:
+        """Each row's first real token: generate numbers real tokens from 0 after left padding, so
+        start = T - 1 - position of the last token (zeros without positions)."""
+        if positions is None or positions.shape[-1] != t:
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        start = (t - 1 - positions.reshape(-1, t)[:, -1].to(device).long()).clamp(0, t - 1)
+        return start.expand(batch).contiguous()
 
-    def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> dict[str, torch.Tensor | None]:
-        """Region masks of this step (see :func:`~leank_infer.attention.decode_masks`), built once per step."""
-        key = (self.length, q_len, self.head_len, self.mid_len, self.recent_start)
-        memo = self._shared
-        if memo.get("key") != key or memo.get("mask") is not attention_mask:
-            masks = decode_masks(
-                attention_mask,
-                self.starts,
-                self.sink_size,
-                self.recent_start,
-                self.head_len,
-                self.mid_len,
-                self.length,
-                q_len,
-            )
-            memo.update(key=key, mask=attention_mask, masks=masks)
-        return memo["masks"]
-
-    def finish_prefill(self, starts: torch.Tensor) -> None:
-        """Split the prefill K/V into head / compressed middle / tail, given each row's first real token."""
-        k, v = self._pending
-        self._pending = self._prefill_positions = None
-        self._shared.clear()
-        t = k.shape[2]
-        self.starts = starts.to(self.device).long()
-        self.head_target = int(self.starts.max()) + self.sink_size
+    def _prefill(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """Split the prefill K/V into head / compressed middle / tail and store them."""
+        b, hkv, t, d = k.shape
+        if positions is None and self.starts_hint is not None and b % self.starts_hint.numel() == 0:
+            # generate expands rows (beams, num_return_sequences) after making the cache: repeat each row's start
+            self.starts = self.starts_hint.to(self.device).repeat_interleave(b // self.starts_hint.numel())
+        else:
+            self.starts = self.starts_from_positions(positions, b, t, self.device)
+        max_start = int(self.starts.max())
+        self.padded = max_start > 0
+        self.head_target = max_start + self.sink_size
         h = min(t, self.head_target)
         self.recent_start = max(0, t - self.recent_size)
         m = max(h, self.recent_start)
-        self.head_k, self.head_v = _compact(k[:, :, :h]), _compact(v[:, :, :h])
-        self._mid_kt, self.mid_v = self._compress(k[:, :, h:m], v[:, :, h:m])
-        self.tail_k, self.tail_v = _compact(k[:, :, m:]), _compact(v[:, :, m:])
+        cap = max(h + (t - m), self.head_target + self.recent_size) + self.accumu_size + 1
+        self._full_k = k.new_empty(b, hkv, cap, d)
+        self._full_v = v.new_empty(b, hkv, cap, v.shape[-1])
+        self._full_k[:, :, :h] = k[:, :, :h]
+        self._full_v[:, :, :h] = v[:, :, :h]
+        self._full_k[:, :, h : h + t - m] = k[:, :, m:]
+        self._full_v[:, :, h : h + t - m] = v[:, :, m:]
+        self.head_len, self.tail_len = h, t - m
+        n = m - h
+        self._mid_k = [k.new_empty(b, len(hs), n, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
+        self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), n, v.shape[-1])
+        self.mid_len = 0
+        self._write_middle(k[:, :, h:m], v[:, :, h:m])
+        self.length = t
+        self._shared.clear()
 
-    def _compress(self, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Middle form of full K/V ``[B, Hkv, n, D]``: kept channels per head group (K^T), V of nonzero heads."""
-        b, _, n, d = k.shape
-        ks = []
-        for heads, channels in zip(self.groups.heads, self.groups.channels, strict=True):
+    def _write_middle(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append full K/V ``[B, Hkv, n, D]`` to the middle: the kept channels per head group, V of nonzero heads."""
+        n = k.shape[2]
+        if n == 0:
+            return
+        end = self.mid_len + n
+        cap = self._mid_v.shape[2]
+        if end > cap:
+            cap = max(end, cap + max(MID_CHUNK, self.accumu_size))
+            self._mid_k = [_grow(t, self.mid_len, cap) for t in self._mid_k]
+            self._mid_v = _grow(self._mid_v, self.mid_len, cap)
+        b = k.shape[0]
+        for buf, heads, channels in zip(self._mid_k, self.groups.heads, self.groups.channels, strict=True):
             hg, c = channels.shape
             kept = k.index_select(1, heads).gather(-1, channels.view(1, hg, 1, c).expand(b, hg, n, c))
-            ks.append(_compact(kept.transpose(-1, -2)))
-        return ks, v.index_select(1, self.groups.nonzero_order)
+            buf[:, :, self.mid_len : end] = kept
+        self._mid_v[:, :, self.mid_len : end] = v.index_select(1, self.groups.nonzero_order)
+        self.mid_len = end
 
     def _roll(self) -> None:
-        """Move the oldest full tokens to the middle while the full part exceeds recent + accumu tokens."""
-        while self.length - self.recent_start > self.recent_size + self.accumu_size:
-            self.recent_start += self.accumu_size
-        move = max(self.head_len, self.recent_start) - (self.head_len + self.mid_len)
+        """Move the tail's tokens below the recent start to the middle; the rest of the tail shifts down."""
+        move = min(self.tail_len, max(self.head_len, self.recent_start) - (self.head_len + self.mid_len))
         if move <= 0:
             return
-        ks, v = self._compress(self.tail_k[:, :, :move], self.tail_v[:, :, :move])
-        self._mid_kt = [torch.cat([a, b], dim=3) for a, b in zip(self._mid_kt, ks, strict=True)]
-        self.mid_v = torch.cat([self.mid_v, v], dim=2)
-        self.tail_k, self.tail_v = _compact(self.tail_k[:, :, move:]), _compact(self.tail_v[:, :, move:])
+        h, t = self.head_len, self.tail_len
+        self._write_middle(self._full_k[:, :, h : h + move], self._full_v[:, :, h : h + move])
+        rest = t - move
+        if rest:
+            self._full_k[:, :, h : h + rest] = self._full_k[:, :, h + move : h + t].clone()
+            self._full_v[:, :, h : h + rest] = self._full_v[:, :, h + move : h + t].clone()
+        self.tail_len = rest
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        q_len = k.shape[2]
         take = 0
         if self.mid_len == 0 and self.tail_len == 0:  # short prompt: fill the head to its target first
-            take = min(k.shape[2], max(0, self.head_target - self.head_len))
-        if take:
-            self.head_k = torch.cat([self.head_k, k[:, :, :take]], dim=2)
-            self.head_v = torch.cat([self.head_v, v[:, :, :take]], dim=2)
-        if take < k.shape[2]:
-            self.tail_k = torch.cat([self.tail_k, k[:, :, take:]], dim=2)
-            self.tail_v = torch.cat([self.tail_v, v[:, :, take:]], dim=2)
-        self.length += k.shape[2]
+            take = min(q_len, max(0, self.head_target - self.head_len))
+        pos = self.head_len + self.tail_len
+        if pos + q_len > self._full_k.shape[2]:  # several tokens at once (chunked prefill, a second turn)
+            cap = pos + q_len + self.accumu_size + 1
+            self._full_k = _grow(self._full_k, pos, cap)
+            self._full_v = _grow(self._full_v, pos, cap)
+        self._full_k.narrow(2, pos, q_len).copy_(k)
+        self._full_v.narrow(2, pos, q_len).copy_(v)
+        self.head_len += take
+        self.tail_len += q_len - take
+        self.length += q_len
 
     # ---- generate() hooks ----------------------------------------------------------------------
     def _map_batch(self, fn: Any) -> None:
-        self._shared.clear()
+        self._shared.pop("key", None)
         if not self.is_initialized:
             return
-        if self._pending is not None:
-            self._pending = (fn(self._pending[0]), fn(self._pending[1]))
-        for name in ("head_k", "head_v", "tail_k", "tail_v", "mid_v", "starts"):
-            setattr(self, name, fn(getattr(self, name)))
-        self._mid_kt = [fn(t) for t in self._mid_kt]
+        self.starts = fn(self.starts)
+        if self._full_k is None:
+            return
+        self._full_k, self._full_v, self._mid_v = fn(self._full_k), fn(self._full_v), fn(self._mid_v)
+        self._mid_k = [fn(t) for t in self._mid_k]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -293,25 +345,13 @@ class LeanKLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if (
-            self._pending is not None
-            or n > self.tail_len + (self.head_len if self.mid_len == 0 else 0)
-            or (self.length - n < self.recent_start)
-        ):
+        if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or (self.length - n < self.recent_start):
             raise ValueError(
                 f"cannot crop {n} tokens from a LeanK cache: only uncompressed recent tokens can be dropped"
             )
         from_tail = min(n, self.tail_len)
-        self.tail_k, self.tail_v = (
-            self.tail_k[:, :, : self.tail_len - from_tail],
-            self.tail_v[:, :, : self.tail_len - from_tail],
-        )
-        rest = n - from_tail
-        if rest:
-            self.head_k, self.head_v = (
-                self.head_k[:, :, : self.head_len - rest],
-                self.head_v[:, :, : self.head_len - rest],
-            )
+        self.tail_len -= from_tail
+        self.head_len -= n - from_tail
         self.length -= n
 
     def reset(self) -> None:
@@ -357,20 +397,32 @@ class LeanKCache(Cache):
         ]
         super().__init__(layers=layers)
         self.mask = mask
+        # Each row's first real token, for a prefill whose update gets no position_ids (transformers
+        # < 5.20 hands none to Cache.update): set by generate's cache hook from the attention mask.
+        self.prefill_starts: torch.Tensor | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The base update, then the layer offered to the attention function (see :mod:`~leank_infer.layer_handoff`)."""
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
+        if isinstance(layer, LeanKLayer):
+            layer.starts_hint = self.prefill_starts
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer_handoff.offer(keys, layer if isinstance(layer, LeanKLayer) else None)
         return keys, values
 
     def nbytes(self) -> int:
-        """Bytes of K/V the cache really holds, all layers (distinct tensor storages)."""
+        """Bytes of K/V the cache holds, all layers (LeanK layers: the tokens stored; dense ones: their storage)."""
         return sum(
             layer.nbytes() if isinstance(layer, LeanKLayer) else _dense_layer_bytes(layer) for layer in self.layers
+        )
+
+    def allocated_bytes(self) -> int:
+        """Bytes of storage reserved, all layers: :meth:`nbytes` plus the LeanK layers' preallocated spare slots."""
+        return sum(
+            layer.allocated_bytes() if isinstance(layer, LeanKLayer) else _dense_layer_bytes(layer)
+            for layer in self.layers
         )
 
     @property

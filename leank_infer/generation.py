@@ -30,6 +30,7 @@ from transformers.generation import utils as _generation_utils
 from .attention import ATTN_IMPLEMENTATION
 from .cache import LeanKCache
 from .layer_handoff import LeanKCacheError
+from .layout import row_starts
 from .mask import ChannelMask
 
 __all__ = ["CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "uninstall"]
@@ -85,10 +86,21 @@ def _leank_prepare_cache_for_generation(
             )
         cache = LeanKCache(mask, config=self.config)
         model_kwargs[CACHE_KWARG] = cache
+        _hint_row_starts(cache, model_kwargs)
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()  # as the base method does for an assistant's cache
         return None
+    if isinstance(given, LeanKCache):
+        _hint_row_starts(given, model_kwargs)
     return base(self, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _hint_row_starts(cache: LeanKCache, model_kwargs: dict) -> None:
+    """Tell an empty LeanK cache where each row starts (left padding), from generate's attention mask:
+    transformers < 5.20 passes no ``position_ids`` to ``Cache.update``, where the cache reads them."""
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.ndim == 2 and cache.get_seq_length() == 0:
+        cache.prefill_starts = row_starts(mask, mask.shape[0], mask.device)
 
 
 def set_attn_implementation(model: Any, name: str) -> None:

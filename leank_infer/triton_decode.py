@@ -1,4 +1,4 @@
-"""Triton flash-decoding over the LeanK compressed cache, and the backend dispatcher.
+"""Triton flash-decoding over the LeanK compressed cache: the kernels and their launcher.
 
 One decode step (one new query token per row) is two launches:
 
@@ -19,13 +19,14 @@ middle, the latter read by the merge only for heads that keep channels (so nothi
 The middle tile is ``BLOCK_C = next_pow2(max kept count)`` channels for every group, masked to
 the group's count: loads fetch only kept bytes (16-byte vectors when counts are multiples of 16,
 as align 16/32 gives), the dot does padded work, which a memory-bound decode can afford. Middle K
-tensors are indexed as contiguous ``[B, Hg, n, c]`` (the cache's are; others are copied).
+is indexed as ``[B, Hg, cap, c]`` storage (the cache's preallocated tensors; others are copied).
 
-Masks are the reference's (``head_full``/``head_mid``/``mid_mask``/``tail_mask`` of
-:func:`~leank_infer.attention.leank_decode_attention`), read per key in the kernel through their
+The launcher implements the decode contract of :mod:`leank_infer.backend` over a
+:class:`~leank_infer.layout.DecodeLayout`; masks are its :class:`~leank_infer.layout.DecodeMasks`
+(None = all attended), read per key in the kernel through their
 strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row pattern works
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
-the load. Not supported, and sent to the PyTorch path: ``q_len > 1`` (prefill-like chunks, or
+the load. Not supported (:func:`unsupported`; the dispatcher sends them to the PyTorch path): ``q_len > 1`` (prefill-like chunks, or
 speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, a
 non-positive ``softcap``. Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
 of the score step (:func:`_logits`): models without it compile the plain kernel.
@@ -36,10 +37,12 @@ from __future__ import annotations  # kernel annotations stay strings ("tl.const
 import functools
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .layout import DecodeLayout, DecodeMasks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 triton: Any = None  # the triton modules, bound by _load_triton() at the first launch
@@ -76,7 +79,6 @@ def _load_triton() -> None:
     triton, tl = triton_mod, tl_mod
 
 
-BACKENDS = ("torch", "triton", "auto")
 BLOCK_N = 64  # keys per tile; every split covers a multiple of it
 MIN_BLOCKS_PER_SPLIT = 4  # a split amortises its q load and partial write over at least 256 keys
 WAVES = 4  # target programs per SM when choosing split counts (latency hiding at small batch)
@@ -209,7 +211,7 @@ def _mid_part(
     Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, b, i, split,
     sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
-    mid_len, split_len, n_kv_heads, n_slots, slot_offset, qk_scale, cap_log2,
+    mid_len, mid_cap, split_len, n_kv_heads, n_slots, slot_offset, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     PREC: tl.constexpr,
@@ -217,8 +219,9 @@ def _mid_part(
     """Partial attention of (row b, nonzero head i, split) over the compressed middle.
 
     Nonzero head i is KV head ``NZ[i]`` and V row i; it belongs to the last group g with
-    ``STARTS[g] <= i``, whose contiguous K ``MK[g]`` (``[B, SIZES[g], n, COUNTS[g]]``) holds channels
-    ``MCH[g][i - STARTS[g]]`` only: q is gathered on them once, outside the loop.
+    ``STARTS[g] <= i``, whose K ``MK[g]`` (``[B, SIZES[g], mid_cap, COUNTS[g]]`` storage, the first
+    ``mid_len`` keys used) holds channels ``MCH[g][i - STARTS[g]]`` only: q is gathered on them once,
+    outside the loop.
     """
     k_base = MK[0]
     ch_base = MCH[0]
@@ -244,7 +247,7 @@ def _mid_part(
     ch = tl.load(ch_base + local * c + offs_c, mask=c_ok, other=0)
     q_ptrs = Q + b * sq_b + (kvh * G + offs_g)[:, None] * sq_h + ch[None, :] * sq_d
     q = tl.load(q_ptrs, mask=(offs_g[:, None] < G) & c_ok[None, :], other=0.0)
-    k_row = k_base + (b * hg + local) * mid_len * c  # [n, c] block of this (row, head)
+    k_row = k_base + (b * hg + local) * mid_cap * c  # [cap, c] block of this (row, head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -292,7 +295,7 @@ def _partials_kernel(
     smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
     head_len, head_pad, tail_len, full_split_len, n_full_splits, n_full_programs,
-    mid_len, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale, cap_log2,
+    mid_len, mid_cap, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
     HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
@@ -320,7 +323,7 @@ def _partials_kernel(
             Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, bi // n_nonzero, bi % n_nonzero, split,
             sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
             STARTS, SIZES, COUNTS,
-            mid_len, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale, cap_log2,
+            mid_len, mid_cap, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale, cap_log2,
             G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, SOFTCAP, PREC,
         )  # fmt: skip
 
@@ -423,37 +426,43 @@ def _row_mask(mask: torch.Tensor | None, b: int, n: int) -> torch.Tensor | None:
     return mask.expand(b, 1, n)[:, 0].view(torch.uint8)
 
 
-def _unsupported(
-    query: torch.Tensor, head_v: torch.Tensor, masks: Sequence[torch.Tensor | None], softcap: float | None = None
-) -> str | None:
-    """Why the kernel cannot run these inputs (the caller then uses the PyTorch path), or None."""
+def unsupported(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, softcap: float | None = None) -> str | None:
+    """Why the kernel cannot run these inputs (the dispatcher then uses the PyTorch path), or None."""
     if softcap is not None and not softcap > 0:
         return f"softcap {softcap} (not a positive cap)"
     if query.shape[2] != 1:
         return "q_len > 1"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
-    if head_v.shape[-1] != query.shape[-1]:
+    if layout.full_v.shape[-1] != query.shape[-1]:
         return "V head_dim != K head_dim"
-    for m in masks:
+    for m in (masks.head_full, masks.head_mid, masks.mid, masks.tail):
         if m is not None and (m.ndim != 3 or m.shape[1] != 1 or m.dtype != torch.bool):
             return "a mask that is not [B, 1, n] bool"
     return None
 
 
+def _mid_storage(mid_k: tuple[torch.Tensor, ...], n: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Middle K as the kernel indexes it, ``[B, Hg, cap, c]`` with keys then channels contiguous, and ``cap``.
+
+    The cache's views (the first n keys of a preallocated ``[B, Hg, cap, c]``) pass as they are; other
+    strides are copied to a compact layout (cap = n).
+    """
+    caps = set()
+    for k in mid_k:
+        b, hg, _, c = k.shape
+        cap = k.stride(1) // max(1, c)
+        ok = k.stride(3) == 1 and k.stride(2) == c and k.stride(1) == cap * c and (b == 1 or k.stride(0) == hg * cap * c)
+        caps.add(cap if ok else -1)
+    if len(caps) == 1 and -1 not in caps:
+        return mid_k, caps.pop()
+    return tuple(k.contiguous() for k in mid_k), n
+
+
 def triton_decode_attention(
     query: torch.Tensor,
-    head_k: torch.Tensor,
-    head_v: torch.Tensor,
-    tail_k: torch.Tensor,
-    tail_v: torch.Tensor,
-    mid_k: Sequence[torch.Tensor],
-    mid_v: torch.Tensor | None,
-    groups: Any,
-    head_full: torch.Tensor,
-    head_mid: torch.Tensor,
-    mid_mask: torch.Tensor | None,
-    tail_mask: torch.Tensor | None,
+    layout: DecodeLayout,
+    masks: DecodeMasks,
     scaling: float,
     softcap: float | None = None,
     *,
@@ -461,19 +470,15 @@ def triton_decode_attention(
     block_n: int = BLOCK_N,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Drop-in for :func:`~leank_infer.attention.leank_decode_attention` (same arguments, ``[B, Q, Hq, D]``).
+    """The kernels' implementation of the decode contract (:mod:`leank_infer.backend`), ``[B, 1, Hq, D]``.
 
-    Runs the Triton kernels for one query token per row; inputs the kernels do not cover
-    (``q_len > 1``, other dtypes or mask shapes: see the module docstring) go to the PyTorch path.
-    ``splits`` forces the split count of every part (tests; default: :func:`num_splits`);
-    ``out`` is an optional ``[B, 1, Hq, D]`` buffer of the query's dtype to write into.
+    One query token per row; other inputs raise (see :func:`unsupported`; the dispatcher sends them to
+    the PyTorch path). ``splits`` forces the split count of every part (tests; default:
+    :func:`num_splits`); ``out`` is an optional ``[B, 1, Hq, D]`` buffer of the query's dtype to write into.
     """
-    from .attention import leank_decode_attention
-
-    args = (query, head_k, head_v, tail_k, tail_v, mid_k, mid_v, groups)
-    masks = (head_full, head_mid, mid_mask, tail_mask)
-    if _unsupported(query, head_v, masks, softcap) is not None:
-        return leank_decode_attention(*args, *masks, scaling, softcap)
+    why = unsupported(query, layout, masks, softcap)
+    if why is not None:
+        raise ValueError(f"the Triton decode kernel does not cover these inputs: {why}")
     if not HAS_TRITON:
         raise RuntimeError("triton_decode_attention needs triton (pip install triton); use backend='torch'")
     if query.device.type != "cuda" and not kernels_interpreted():
@@ -483,13 +488,16 @@ def triton_decode_attention(
         )
 
     _load_triton()
+    groups = layout.groups
+    head_k, head_v, tail_k, tail_v = layout.head_k, layout.head_v, layout.tail_k, layout.tail_v
     b, hq, _, d = query.shape
     hkv = groups.num_kv_heads
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     g = hq // hkv
-    h, t = head_k.shape[2], tail_k.shape[2]
-    n = mid_k[0].shape[2] if len(mid_k) else 0
+    h, t, n = layout.head_len, layout.tail_len, layout.mid_len
+    if not groups.counts:
+        n = 0
     device = query.device
     head_pad = -(-h // block_n) * block_n
     full_split, s_full = _split_len(
@@ -509,13 +517,19 @@ def triton_decode_attention(
     q = query[:, :, 0]  # [B, Hq, D]
     keep = groups.keep.view(torch.uint8)
     block_d = max(16, triton.next_power_of_2(d))
+    head_full, head_mid = masks.head_full, masks.head_mid
+    if head_full is None:  # trivial masks: every head key is a sink key
+        head_full = torch.ones(1, 1, h, dtype=torch.bool, device=device)
+    if head_mid is None:
+        head_mid = torch.zeros(1, 1, h, dtype=torch.bool, device=device)
     hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
-    tm, mm = _row_mask(tail_mask, b, t), _row_mask(mid_mask, b, n)
+    tm, mm = _row_mask(masks.tail, b, t), _row_mask(masks.mid, b, layout.mid_len)
+    mid_cap = 1
     if s_mid:
-        mk = tuple(k.contiguous() for k in mid_k)  # no-op for the cache's tensors; lets the kernel index them
+        mk, mid_cap = _mid_storage(tuple(layout.mid_k), n)  # the cache's tensors pass without a copy
         mch = tuple(ch.contiguous() for ch in groups.channels)
         sizes = tuple(len(x) for x in groups.heads)
-        counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), mid_v
+        counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), layout.mid_v
     else:  # no middle programs run: placeholders of the right types
         mk, mch, sizes, counts, starts, mv = (tail_k,), (groups.nonzero_order,), (0,), (0,), (0,), tail_v
     if softcap is None:
@@ -533,7 +547,7 @@ def triton_decode_attention(
             *mv.stride(), *(mm.stride() if mm is not None else (0, 0)),
             starts, sizes, counts,
             h, head_pad, t, full_split, s_full, n_full_programs,
-            n, mid_split, s_mid, n_nonzero, hkv, n_slots, qk_scale, cap_log2,
+            n, mid_cap, mid_split, s_mid, n_nonzero, hkv, n_slots, qk_scale, cap_log2,
             G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
             BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
             NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
@@ -552,38 +566,4 @@ def triton_decode_attention(
     return out
 
 
-def _default_backend() -> str:
-    backend = os.environ.get("LEANK_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"LEANK_BACKEND must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def decode_attention(*args: Any, backend: str | None = None, **kwargs: Any) -> torch.Tensor:
-    """LeanK decode attention (arguments of ``leank_decode_attention``) on the chosen backend.
-
-    ``backend``: "torch" (PyTorch reference), "triton" (the kernel; an error if triton is missing
-    or the tensors are not on CUDA, unless the kernels run in the interpreter), "auto" or None
-    (``LEANK_BACKEND``, default auto: the kernel for CUDA tensors when triton imports, else torch).
-    """
-    from .attention import leank_decode_attention
-
-    backend = (backend or _default_backend()).lower()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    query = args[0] if args else kwargs["query"]
-    if backend == "auto":
-        backend = "triton" if HAS_TRITON and query.is_cuda else "torch"
-    if backend == "torch":
-        return leank_decode_attention(*args, **kwargs)
-    if not HAS_TRITON:
-        raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
-    if not query.is_cuda and not kernels_interpreted():
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors, got {query.device} (or, for triton's CPU interpreter, "
-            "TRITON_INTERPRET=1 set before triton is first imported)"
-        )
-    return triton_decode_attention(*args, **kwargs)
-
-
-__all__ = ["HAS_TRITON", "decode_attention", "kernels_interpreted", "num_splits", "triton_decode_attention"]
+__all__ = ["HAS_TRITON", "kernels_interpreted", "num_splits", "triton_decode_attention", "unsupported"]

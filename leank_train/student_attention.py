@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from leank_infer.attention import dense_attention
 from leank_infer.masked_attention import leank_attention
+from leank_infer.rule import default_scale
 
 from . import sequence_parallel as sp
 
@@ -98,7 +99,7 @@ def leank_student_attention(
     keys = torch.cat([ctx_k.to(key.dtype), key], dim=2)
     values = torch.cat([ctx_v.to(value.dtype), value], dim=2)
     positions = torch.arange(c_len, c_len + q_len, device=query.device)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = default_scale(query.shape[-1], scaling)
     out = leank_attention(
         query,
         keys,

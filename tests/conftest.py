@@ -19,6 +19,17 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 MORE_FAMILIES = ("gemma2", "gemma3", "phi3")
 
 
+def documented_recent_from(prefill: int, length: int, recent: int, accumu: int) -> int:
+    """First full recent key of the queries that join a cache of ``length`` tokens after a prefill of
+    ``prefill``, from LEANK.md alone (not from any cache): the first step after the prefill follows the
+    per-query rule (recent part from ``prefill - recent``); later the full part holds between ``recent``
+    and ``recent + accumu`` tokens before new ones join, its oldest ``accumu`` moving to the middle at
+    a time. Tests build their reference's full/middle split from this and the token positions."""
+    start = max(0, prefill - recent)
+    over = length - start - (recent + accumu)  # full tokens beyond recent + accumu before this step
+    return start + accumu * max(0, -(-over // accumu))
+
+
 def tiny_config(family: str = "llama", **overrides):
     """A 2-layer random config with GQA (4 query heads, 2 KV heads, head_dim 16).
 

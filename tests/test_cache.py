@@ -6,12 +6,14 @@ import copy
 
 import pytest
 import torch
+from conftest import documented_recent_from
 from torch import nn
 from transformers.masking_utils import sdpa_mask
 
-from leank_infer.attention import ChannelGroups, leank_attention_forward
+from leank_infer.attention import leank_attention_forward
 from leank_infer.cache import LeanKCache, LeanKLayer
 from leank_infer.generation import CACHE_KWARG
+from leank_infer.layout import ChannelGroups
 from leank_infer.mask import ChannelMask
 from leank_infer.masked_attention import leank_attention
 
@@ -29,11 +31,11 @@ class _Attn(nn.Module):
     num_key_value_groups = GROUPS
 
 
-def _keep(seed: int = 0) -> torch.Tensor:
-    """Mixed kept counts: one zero head, two heads with 4 (one group), one with 8; random channels."""
+def _keep(seed: int = 0, counts: tuple[int, ...] = (0, 4, 8, 4)) -> torch.Tensor:
+    """Mixed kept counts (default: one zero head, two heads with 4 (one group), one with 8); random channels."""
     g = torch.Generator().manual_seed(seed)
     keep = torch.zeros(HKV, D, dtype=torch.bool)
-    for h, count in enumerate((0, 4, 8, 4)):
+    for h, count in enumerate(counts):
         keep[h, torch.randperm(D, generator=g)[:count]] = True
     return keep
 
@@ -58,6 +60,8 @@ class _Run:
             self.pad[b, t0 - n :] = True  # left padding
         self.starts = (~self.pad).sum(-1)
         self.k = self.v = None
+        self.prefill = None
+        self.recent_from = 0
 
     def _rand(self, q_len: int):
         b = self.pad.shape[0]
@@ -79,7 +83,12 @@ class _Run:
             q_offset=past,
             attention_mask=self.pad,
         )
-        kwargs: dict = {}
+        if self.prefill is None:
+            self.prefill = past + q_len
+        # the documented schedule, from token positions only (never from the cache under test)
+        self.recent_from = documented_recent_from(self.prefill, past, RECENT, ACCUMU) if past else 0
+        real = self.pad[:, : past + q_len].long()
+        kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}  # as generate() numbers them
         kk, vv = self.layer.update(k, v, kwargs=kwargs)
         assert kwargs["leank_layer"] is self.layer
         out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=D**-0.5, **kwargs)
@@ -87,7 +96,7 @@ class _Run:
         return out, mask
 
     def reference(self, upcast: bool = False) -> torch.Tensor:
-        """The dense LeanK rule per new query, with the recent boundary at the cache's ``recent_start``."""
+        """The dense LeanK rule per new query, its full recent part from the documented schedule."""
         total, q_len = self.k.shape[2], self.q.shape[2]
         cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
         outs = []
@@ -101,7 +110,7 @@ class _Run:
                     self.keep.float(),
                     torch.tensor([p]),
                     SINK,
-                    p - self.layer.recent_start,
+                    p - self.recent_from,
                     D**-0.5,
                     key_start=self.starts,
                     key_padding_mask=self.pad[:, : p + 1],
@@ -125,6 +134,30 @@ def test_decode_equals_dense_leank_rule(lengths):
     assert len(mids) >= 3, "the accumulation buffer never moved tokens to the middle"
 
 
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("keep", ["mixed", "no-zero-head"])
+def test_fast_and_general_torch_paths_follow_the_rule(monkeypatch, path, keep):
+    """The PyTorch backend's fused path (one query, nothing to mask) and its general path each equal the
+    rule; the general one is forced here, the fast one checked to have run."""
+    from leank_infer import torch_decode
+
+    used = []
+    real = torch_decode.fast_path_applies
+    monkeypatch.setattr(
+        torch_decode,
+        "fast_path_applies",
+        lambda *a: used.append(real(*a)) or (path == "fast" and used[-1]),
+    )
+    # "no-zero-head": groups in KV-head order, the fast path's merge without index shuffles
+    mask = _keep() if keep == "mixed" else _keep(counts=(4, 4, 8, 12))
+    run = _Run(mask, [33, 33])
+    run.step(33)
+    for q_len in [1] * 12 + [2, 1]:
+        out, _ = run.step(q_len)
+        assert _rel_err(out, run.reference()) < 1e-5
+    assert any(used) and not all(used)  # one-query steps can take the fused path, the 2-query one cannot
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 def test_half_precision_stays_close_to_the_fp32_rule(dtype, tol):
     """Caches in half precision: fp32 softmax and merging keep the result within the dtype's rounding."""
@@ -144,7 +177,7 @@ def test_zero_heads_skip_their_middle_keys():
     out1, _ = run.step(1)
     # shift every middle V in the dense copy: the zero head (kv head 0) must not notice
     zero_q = slice(0, GROUPS)  # query heads of kv head 0
-    run.v[:, :, SINK : run.layer.recent_start] += 100.0
+    run.v[:, :, SINK : run.recent_from] += 100.0
     ref = run.reference()
     assert _rel_err(out1[:, :, zero_q], ref[:, :, zero_q]) < 1e-5
     # while the other heads do read middle V
@@ -158,7 +191,7 @@ def test_prefill_layout_and_storage():
     layer = run.layer
     assert (layer.head_len, layer.mid_len, layer.tail_len) == (SINK, 40 - SINK - RECENT, RECENT)
     counts = keep.sum(-1)
-    assert [k.shape[-1] for k in layer.mid_k] == sorted({int(c) for c in counts if c > 0})
+    assert [k.shape[-1] for k in layer.mid_k] == [int(c) for c in counts if c > 0]  # runs of equal count
     assert layer.mid_v.shape[1] == int((counts > 0).sum())  # no V for the zero head
     # middle K really holds only the kept channels of each head
     for heads, channels, k in zip(layer.groups.heads, layer.groups.channels, layer.mid_k, strict=True):
@@ -173,13 +206,21 @@ def test_prefill_layout_and_storage():
     assert layer.nbytes() < 2 * 40 * HKV * D * item
 
 
-def test_channel_groups_are_dense_per_count():
-    g = ChannelGroups.from_keep(_keep())
+def test_channel_groups_are_runs_of_equal_count_in_head_order():
+    """Groups are runs of consecutive KV heads with one nonzero count, middle V in KV-head order:
+    scores and V stay in head order at decode (no index shuffles)."""
+    g = ChannelGroups.from_keep(_keep(counts=(0, 4, 4, 8)))
     assert g.counts == (4, 8)
-    assert [h.tolist() for h in g.heads] == [[1, 3], [2]]
-    assert g.nonzero_order.tolist() == [1, 3, 2]
+    assert [h.tolist() for h in g.heads] == [[1, 2], [3]]
+    assert g.nonzero_order.tolist() == [1, 2, 3]
     assert g.v_offsets == (0, 2)
     assert g.nonzero.tolist() == [False, True, True, True]
+    assert g.runs() == ((0, 1, None), (1, 4, 0))
+    g = ChannelGroups.from_keep(_keep())  # counts 0, 4, 8, 4: the two 4s are not neighbours
+    assert g.counts == (4, 8, 4) and [h.tolist() for h in g.heads] == [[1], [2], [3]]
+    assert g.runs() == ((0, 1, None), (1, 4, 0))
+    g = ChannelGroups.from_keep(_keep(counts=(4, 0, 0, 8)))
+    assert g.runs() == ((0, 1, 0), (1, 3, None), (3, 4, 1)) and g.v_offsets == (0, 1)
 
 
 def test_batch_select_keeps_rows_consistent():
@@ -233,14 +274,28 @@ def test_cache_refuses_other_attention_implementations(family):
             model(ids[:, :1], **{CACHE_KWARG: cache})
 
 
-def test_row_starts_fall_back_to_position_ids():
-    """If the prefill was attended by another implementation, row starts come from generate's position ids."""
+def test_row_starts_come_from_position_ids():
+    """The cache compresses at its prefill update, before any attention: row starts come from generate's
+    position ids (real tokens numbered from 0 after left padding)."""
     layer = LeanKLayer(_keep(), SINK, RECENT, ACCUMU)
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 1, 2, 3, 4, 5]])  # row 1: 4 pads
     k, v = torch.randn(2, HKV, 10, D), torch.randn(2, HKV, 10, D)
     layer.update(k, v, kwargs={"position_ids": pos})
-    assert layer.prefill_pending
-    layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
-    assert not layer.prefill_pending
+    assert layer.prefilling
     assert layer.starts.tolist() == [0, 4]
     assert layer.head_len == 4 + SINK
+    layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
+    assert not layer.prefilling
+
+
+def test_padding_the_positions_do_not_show_is_refused():
+    """A left-padded mask whose position ids number the padding (a plain forward without position_ids)
+    would put padding into the sink: the prefill attention says so instead of decoding wrongly."""
+    run = _Run(_keep(), [20, 14])
+    layer = run.layer
+    q, k, v = run._rand(20)
+    mask = sdpa_mask(batch_size=2, q_length=20, kv_length=20, q_offset=0, attention_mask=run.pad)
+    kwargs: dict = {"position_ids": torch.arange(20).expand(2, 20)}
+    layer.update(k, v, kwargs=kwargs)
+    with pytest.raises(ValueError, match="position_ids"):
+        leank_attention_forward(_Attn(), q, k, v, mask, scaling=D**-0.5, **kwargs)

@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, MORE_FAMILIES, tiny_config, tiny_model
+from conftest import FAMILIES, MORE_FAMILIES, documented_recent_from, tiny_config, tiny_model
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from leank_infer import ChannelMask, LeanKModel, MaskError
-from leank_infer.attention import ChannelGroups, leank_decode_attention, softcapped_attention
+from leank_infer.attention import softcapped_attention
+from leank_infer.backend import decode_attention
 from leank_infer.cache import LeanKLayer
+from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks
 from leank_infer.mask import binarize, dense_layers_of
-from leank_infer.triton_decode import decode_attention
+from leank_infer.torch_decode import torch_decode_attention
 from leank_train.student_attention import StudentState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,16 +97,22 @@ def reference_steps(model, ids: torch.Tensor, n_prompt: int, mask: ChannelMask, 
 @torch.no_grad()
 def leank_steps(lk: LeanKModel, ids: torch.Tensor, steps: int):
     """Greedy LeanK decoding by hand: (all tokens, logits of the prompt's last token and of each
-    decoded one, the recent size each decode step used, the cache)."""
+    decoded one, the recent size each decode step must have used, the cache).
+
+    The recent sizes come from the documented schedule and the token positions alone, never from
+    the cache under test."""
     cache = lk.new_cache()
+    n_prompt = ids.shape[1]
     logits = [lk(ids, cache=cache).logits[:, -1]]
-    layer = cache.layers[cache.leank_layers[0]]
+    m = lk.mask
     recents = []
     for _ in range(steps):
         ids = torch.cat([ids, logits[-1].argmax(-1, keepdim=True)], 1)
         logits.append(lk(ids[:, -1:], cache=cache).logits[:, -1])
-        # the token at position p saw full keys [recent_start, p]: the rule at recent = p - recent_start
-        recents.append(ids.shape[1] - 1 - layer.recent_start)
+        p = ids.shape[1] - 1  # the new token's position: it sees full keys [recent_from, p]
+        recent_from = documented_recent_from(n_prompt, p, m.recent_size, m.accumu_size)
+        assert m.recent_size <= p - recent_from <= m.recent_size + m.accumu_size
+        recents.append(p - recent_from)
     return ids, logits, recents, cache
 
 
@@ -204,16 +212,12 @@ def test_dispatch_honours_softcap():
     hk, hv, tk, tv = (torch.randn(1, 2, n, 16, generator=g) for n in (4, 4, 6, 6))
     mk = [torch.randn(1, len(h), 10, c, generator=g) for h, c in zip(groups.heads, groups.counts, strict=True)]
     mv = torch.randn(1, len(groups.nonzero_order), 10, 16, generator=g)
-    masks = dict(
-        head_full=torch.ones(1, 1, 4, dtype=torch.bool), head_mid=torch.zeros(1, 1, 4, dtype=torch.bool),
-        mid_mask=None, tail_mask=None,
-    )  # fmt: skip
-    args = (q, hk, hv, tk, tv, mk, mv, groups)
-    want = leank_decode_attention(*args, scaling=0.25, softcap=2.0, **masks)
+    layout = DecodeLayout.from_parts(hk, hv, tk, tv, mk, mv, groups, sink_size=4)
+    want = torch_decode_attention(q, layout, DecodeMasks(), 0.25, 2.0)
     for backend in ("auto", "torch"):  # CPU tensors: auto is the PyTorch path
-        got = decode_attention(*args, scaling=0.25, softcap=2.0, backend=backend, **masks)
+        got = decode_attention(q, layout, DecodeMasks(), 0.25, 2.0, backend=backend)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert not torch.allclose(leank_decode_attention(*args, scaling=0.25, **masks), want, atol=1e-3)
+    assert not torch.allclose(torch_decode_attention(q, layout, DecodeMasks(), 0.25), want, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3"])

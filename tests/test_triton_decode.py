@@ -16,6 +16,7 @@ _TRITON_PREIMPORTED = "triton.language" in sys.modules and os.environ.get("TRITO
 if not _TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,8 +26,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from leank_infer import backend as bk  # noqa: E402
 from leank_infer import triton_decode as td  # noqa: E402
-from leank_infer.attention import ChannelGroups, decode_masks, leank_decode_attention  # noqa: E402
+from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks  # noqa: E402
+from leank_infer.torch_decode import torch_decode_attention  # noqa: E402
 
 
 def _keep(counts: list[int], d: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,8 +52,8 @@ def make_case(
     masked: bool = False,
     seed: int = 0,
 ) -> tuple:
-    """Random decode inputs in the reference's layout; head keys j of a row with start s: padding
-    below s, sink up to s + sink, middle (kept channels) after; optional random mid/tail masks."""
+    """Random decode inputs ``(query, layout, masks, scaling)``; head keys j of a row with start s:
+    padding below s, sink up to s + sink, middle (kept channels) after; optional random mid/tail masks."""
     gen = torch.Generator().manual_seed(seed)
     b, hkv = len(starts), len(counts)
     groups = ChannelGroups.from_keep(_keep(counts, d, gen))
@@ -69,26 +72,20 @@ def make_case(
     if masked:
         mid_mask = torch.rand(b, 1, mid, generator=gen) > 0.3
         tail_mask = torch.rand(b, 1, tail, generator=gen) > 0.3
-    return (
-        query,
-        rnd(b, hkv, head, d),
-        rnd(b, hkv, head, d),
-        rnd(b, hkv, tail, d),
-        rnd(b, hkv, tail, d),
-        mid_k,
-        mid_v,
-        groups,
-        head_full,
-        head_mid,
-        mid_mask,
-        tail_mask,
-        d**-0.5,
-    )
+    hk, hv, tk, tv = rnd(b, hkv, head, d), rnd(b, hkv, head, d), rnd(b, hkv, tail, d), rnd(b, hkv, tail, d)
+    layout = DecodeLayout.from_parts(hk, hv, tk, tv, mid_k, mid_v, groups, torch.tensor(starts), sink)
+    return query, layout, DecodeMasks(head_full, head_mid, mid_mask, tail_mask), d**-0.5
 
 
-def _fp32(args: tuple) -> tuple:
-    up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-    return tuple([up(t) for t in a] if isinstance(a, list) else up(a) for a in args)
+def _fp32(case: tuple) -> tuple:
+    """The same case in fp32 (the reference's precision)."""
+    q, layout, *rest = case
+    up = lambda t: t.float()  # noqa: E731
+    layout = dataclasses.replace(
+        layout, full_k=up(layout.full_k), full_v=up(layout.full_v), mid_k=tuple(up(k) for k in layout.mid_k),
+        mid_v=up(layout.mid_v),
+    )  # fmt: skip
+    return (up(q), layout, *rest)
 
 
 def test_whole_file_in_a_fresh_process():
@@ -129,7 +126,7 @@ def run_and_check(args: tuple, rel: float | None = None, **kw) -> torch.Tensor:
     out = torch.full((b, 1, hq, d), math.nan, dtype=q.dtype)
     got = td.triton_decode_attention(*args, out=out, **kw)
     assert got.data_ptr() == out.data_ptr() and got.shape == (b, 1, hq, d)
-    ref = leank_decode_attention(*_fp32(args))
+    ref = torch_decode_attention(*_fp32(args))
     assert torch.isfinite(got).all()
     rel = rel if rel is not None else (1e-3 if q.dtype == torch.float16 else 1e-5)
     err = (got.float() - ref).norm() / ref.norm().clamp_min(1e-6)
@@ -178,26 +175,32 @@ def test_empty_head_and_tail():
 
 
 def test_fully_masked_row_gives_zeros():
-    args = list(make_case([16, 0], starts=(0, 1), mid=9, tail=4, masked=True))
-    for i in (8, 9, 10, 11):  # row 1 attends to nothing
-        args[i] = args[i].clone()
-        args[i][1] = False
-    got = run_and_check(tuple(args), block_n=16)
+    q, layout, masks, scale = make_case([16, 0], starts=(0, 1), mid=9, tail=4, masked=True)
+    fields = {k: getattr(masks, k).clone() for k in ("head_full", "head_mid", "mid", "tail")}
+    for m in fields.values():  # row 1 attends to nothing
+        m[1] = False
+    got = run_and_check((q, layout, DecodeMasks(**fields), scale), block_n=16)
     assert (got[1] == 0).all()
 
 
 def test_broadcast_masks_and_strided_query():
-    args = list(make_case([32, 16], starts=(0, 0), mid=10, tail=6, seed=5))
+    q, layout, masks, scale = make_case([32, 16], starts=(0, 0), mid=10, tail=6, seed=5)
     gen = torch.Generator().manual_seed(1)
-    args[10] = torch.rand(1, 1, 10, generator=gen) > 0.2  # batch-broadcast masks, as the model's mask gives
-    args[11] = torch.rand(1, 1, 6, generator=gen) > 0.2
-    q = args[0]
-    args[0] = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's [B, Q, Hq, D] -> [B, Hq, Q, D] view
-    run_and_check(tuple(args))
+    # batch-broadcast masks, as the model's mask gives
+    masks = dataclasses.replace(masks, mid=torch.rand(1, 1, 10, generator=gen) > 0.2, tail=torch.rand(1, 1, 6, generator=gen) > 0.2)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's [B, Q, Hq, D] -> [B, Hq, Q, D] view
+    run_and_check((q, layout, masks, scale))
+
+
+def test_trivial_masks():
+    """No masks at all (one query, no padding: the common decode step; the torch fast path's case)."""
+    q, layout, _, scale = make_case([16, 0, 48], mid=21, tail=7, seed=6, dtype=torch.float32)
+    run_and_check((q, layout, DecodeMasks(), scale), splits=2, block_n=16)
 
 
 def test_real_cache_layer_layout():
-    """The tensors of a LeanKLayer after a left-padded prefill, with decode_masks, as the model passes them."""
+    """The views of a LeanKLayer (preallocated storage, partly used) after a left-padded prefill and a
+    few steps, with its masks, as the model passes them."""
     from leank_infer.cache import LeanKLayer
 
     gen = torch.Generator().manual_seed(7)
@@ -205,18 +208,14 @@ def test_real_cache_layer_layout():
     layer = LeanKLayer(_keep([0, 16, 32], d, gen), sink_size=4, recent_size=8, accumu_size=4)
     k = torch.randn(b, hkv, total, d, generator=gen).half()
     v = torch.randn(b, hkv, total, d, generator=gen).half()
-    layer.update(k, v)
-    layer.finish_prefill(torch.tensor([0, 5]))
-    layer.update(
-        torch.randn(b, hkv, 1, d, generator=gen).half(), torch.randn(b, hkv, 1, d, generator=gen).half()
-    )
-    masks = decode_masks(
-        None, layer.starts, layer.sink_size, layer.recent_start, layer.head_len, layer.mid_len,
-        layer.get_seq_length(), 1,
-    )  # fmt: skip
+    pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [5]])
+    layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})  # row 1 left-padded by 5
+    assert layer.starts.tolist() == [0, 5]
+    for _ in range(6):
+        layer.update(torch.randn(b, hkv, 1, d, generator=gen).half(), torch.randn(b, hkv, 1, d, generator=gen).half())
+    assert layer.mid_k[0].stride(1) != layer.mid_len * layer.mid_k[0].shape[-1]  # spare capacity: not compact
     q = torch.randn(b, hkv * g, 1, d, generator=gen).half()
-    args = (q, layer.head_k, layer.head_v, layer.tail_k, layer.tail_v, layer.mid_k, layer.mid_v, layer.groups)
-    run_and_check((*args, *masks.values(), d**-0.5), block_n=16)
+    run_and_check((q, layer.layout(), layer.decode_masks(None, 1), d**-0.5), block_n=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -230,7 +229,7 @@ def test_softcap_in_the_kernel(monkeypatch, dtype):
     args = (*args[:-1], 0.5)
     got = run_and_check((*args, 5.0), rel=1e-3 if dtype == torch.float16 else 1e-5, splits=3, block_n=16)
     assert launched, "the soft-capped call fell back to the PyTorch path"
-    uncapped = leank_decode_attention(*_fp32(args))
+    uncapped = torch_decode_attention(*_fp32(args))
     assert (got.float() - uncapped).norm() / uncapped.norm() > 0.05  # the cap mattered
 
 
@@ -258,11 +257,12 @@ def test_model_decodes_through_the_kernel(monkeypatch, family):
     def steps(backend: str) -> list[torch.Tensor]:
         monkeypatch.setenv("LEANK_BACKEND", backend)
         cache, x, a = lk.new_cache(), ids, attn
-        out = [lk(x, attention_mask=a, cache=cache).logits[:, -1]]
+        pos = (a.cumsum(-1) - 1).clamp_min(0)  # as generate() numbers left-padded rows
+        out = [lk(x, attention_mask=a, position_ids=pos, cache=cache).logits[:, -1]]
         for _ in range(4):
             x = out[-1].argmax(-1, keepdim=True)
             a = torch.cat([a, torch.ones_like(x)], 1)
-            out.append(lk(x, attention_mask=a, cache=cache).logits[:, -1])
+            out.append(lk(x, attention_mask=a, position_ids=a.sum(-1, keepdim=True) - 1, cache=cache).logits[:, -1])
         return out
 
     launched = []
@@ -277,29 +277,51 @@ def test_model_decodes_through_the_kernel(monkeypatch, family):
 
 
 def test_q_len_above_one_falls_back_to_torch():
-    args = list(make_case([16, 32], mid=5))
-    args[0] = torch.randn(1, 4, 3, 64).half()
+    q, layout, masks, scale = make_case([16, 32], mid=5)
+    q = torch.randn(1, 4, 3, 64).half()
     q3 = lambda m: m.expand(1, 3, m.shape[-1])  # noqa: E731
-    args[8], args[9] = q3(args[8]), q3(args[9])
-    got = td.triton_decode_attention(*args)
-    torch.testing.assert_close(got, leank_decode_attention(*args))
+    masks = DecodeMasks(q3(masks.head_full), q3(masks.head_mid))
+    with pytest.raises(ValueError, match="q_len > 1"):
+        td.triton_decode_attention(q, layout, masks, scale)
+    got = bk.decode_attention(q, layout, masks, scale, backend="triton")
+    torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
 
 
 # ---- dispatcher --------------------------------------------------------------------------------
+def test_auto_picks_triton_for_cuda_tensors_when_triton_is_there():
+    """The choice itself, device and availability faked at the dispatcher's seam."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert bk.choose_backend("auto", cuda, triton_available=True) == "triton"
+    assert bk.choose_backend(None, "cuda", triton_available=True) == "triton"
+    assert bk.choose_backend("auto", cuda, triton_available=False) == "torch"
+    assert bk.choose_backend("auto", cpu, triton_available=True) == "torch"
+    assert bk.choose_backend("torch", cuda, triton_available=True) == "torch"
+    assert bk.choose_backend("triton", cpu, triton_available=False) == "triton"  # asked for: the call then says why not
+
+
+def test_dispatcher_runs_what_it_chose(monkeypatch):
+    """decode_attention routes by choose_backend (faked to "triton" for CPU tensors here)."""
+    calls = []
+    monkeypatch.setattr(bk, "choose_backend", lambda backend, device, available: "triton")
+    monkeypatch.setattr(td, "triton_decode_attention", lambda *a, **k: calls.append("triton"))
+    bk.decode_attention(*make_case([16], mid=3))
+    assert calls == ["triton"]
+
+
 def test_auto_picks_torch_on_cpu(monkeypatch):
     monkeypatch.delenv("LEANK_BACKEND", raising=False)
     calls = []
     monkeypatch.setattr(td, "triton_decode_attention", lambda *a, **k: calls.append(1))
     args = make_case([16], mid=3)
-    torch.testing.assert_close(td.decode_attention(*args), leank_decode_attention(*args))
+    torch.testing.assert_close(bk.decode_attention(*args), torch_decode_attention(*args))
     assert not calls
 
 
 def test_backend_triton_runs_kernel_in_interpreter():
     args = make_case([16, 0], mid=3)
     torch.testing.assert_close(
-        td.decode_attention(*args, backend="triton"),
-        leank_decode_attention(*_fp32(args)).half(),
+        bk.decode_attention(*args, backend="triton"),
+        torch_decode_attention(*_fp32(args)).half(),
         atol=2e-3,
         rtol=0,
     )
@@ -310,31 +332,31 @@ def test_leank_backend_env_is_honoured(monkeypatch):
     monkeypatch.setattr(td, "triton_decode_attention", lambda *a, **k: calls.append("triton"))
     args = make_case([16], mid=3)
     monkeypatch.setenv("LEANK_BACKEND", "triton")
-    td.decode_attention(*args)
+    bk.decode_attention(*args)
     assert calls == ["triton"]
     monkeypatch.setenv("LEANK_BACKEND", "torch")
-    td.decode_attention(*args)
+    bk.decode_attention(*args)
     assert calls == ["triton"]
-    td.decode_attention(*args, backend="triton")  # the argument beats the variable
+    bk.decode_attention(*args, backend="triton")  # the argument beats the variable
     assert calls == ["triton", "triton"]
     monkeypatch.setenv("LEANK_BACKEND", "cuda-please")
     with pytest.raises(ValueError, match="LEANK_BACKEND"):
-        td.decode_attention(*args)
+        bk.decode_attention(*args)
     with pytest.raises(ValueError, match="backend"):
-        td.decode_attention(*args, backend="tpu")
+        bk.decode_attention(*args, backend="tpu")
 
 
 def test_triton_backend_without_cuda_or_interpreter_raises(monkeypatch):
     monkeypatch.setattr(td, "kernels_interpreted", lambda: False)
     args = make_case([16], mid=3)
     with pytest.raises(RuntimeError, match="CUDA"):
-        td.decode_attention(*args, backend="triton")
+        bk.decode_attention(*args, backend="triton")
     with pytest.raises(RuntimeError, match="CUDA"):
         td.triton_decode_attention(*args)
     monkeypatch.setattr(td, "HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="needs triton"):
-        td.decode_attention(*args, backend="triton")
-    torch.testing.assert_close(td.decode_attention(*args), leank_decode_attention(*args))  # auto -> torch
+        bk.decode_attention(*args, backend="triton")
+    torch.testing.assert_close(bk.decode_attention(*args), torch_decode_attention(*args))  # auto -> torch
 
 
 def test_import_does_not_import_triton():

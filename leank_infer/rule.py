@@ -1,0 +1,89 @@
+"""The LeanK rule: which keys a query scores with all channels, which with the kept ones only.
+
+This module is the only place the rule is computed. The training reference
+(:mod:`leank_infer.masked_attention`, hence the student), the decode masks of the cache
+(:mod:`leank_infer.layout`) and every decode backend get their regions from :func:`key_regions`;
+the scale, the soft-cap and the GQA reshape they share live here too.
+
+The rule (LEANK.md, "Exact boundaries"), in padded coordinates: a row whose first real token is
+at ``start`` (left padding), and a query at position ``p`` whose full recent part begins at
+``recent_from``, see
+
+- padding ``[0, start)`` and the future ``(p, ...)``: not at all,
+- sink ``[start, start + sink)`` and recent ``[recent_from, p]``: all channels,
+- middle ``[start + sink, recent_from)``: only the channels the mask keeps; a KV head that keeps
+  none skips its middle keys entirely (the cache stores no V for them).
+
+Training uses ``recent_from = p - recent_size`` for every query. Decoding keeps between
+``recent_size`` and ``recent_size + accumu_size`` full recent keys: :func:`decode_recent_from`
+is its compression schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def key_regions(
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    row_start: torch.Tensor,
+    sink_size: int,
+    recent_from: torch.Tensor | int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, middle) bool masks of keys for queries, broadcast over the inputs' shapes.
+
+    ``key_pos`` / ``query_pos`` / ``row_start`` / ``recent_from`` are integer positions in
+    padded coordinates, already shaped to broadcast (e.g. keys ``[1, 1, K]``, queries
+    ``[B, Q, 1]``, starts ``[B, 1, 1]``). ``visible``: the key is neither padding nor in the
+    future. ``middle``: a visible key scored with the kept channels only (the rest of
+    ``visible`` uses all channels). Zero-channel heads drop ``middle`` keys: see :func:`attended`.
+    """
+    visible = (key_pos >= row_start) & (key_pos <= query_pos)
+    middle = (key_pos >= row_start + sink_size) & (key_pos < recent_from)
+    return visible, middle & visible
+
+
+def attended(visible: torch.Tensor, middle: torch.Tensor, zero_heads: torch.Tensor) -> torch.Tensor:
+    """Keys a head attends at all: ``visible`` minus the middle of heads that keep no channel.
+
+    ``zero_heads`` is a bool tensor shaped to broadcast against ``middle`` on its head axis.
+    """
+    return visible & ~(middle & zero_heads)
+
+
+def training_recent_from(query_pos: torch.Tensor, recent_size: int) -> torch.Tensor:
+    """First full recent key of a query at ``query_pos`` in training (and the first decode step)."""
+    return query_pos - recent_size
+
+
+def decode_recent_from(recent_from: int, length: int, recent_size: int, accumu_size: int) -> int:
+    """The decode schedule: before new tokens join a cache of ``length`` tokens, its full recent part
+    ``[recent_from, length)`` gives up its oldest ``accumu_size`` tokens (to the middle) while it holds
+    more than ``recent_size + accumu_size``. Returns the new ``recent_from``."""
+    while length - recent_from > recent_size + accumu_size:
+        recent_from += accumu_size
+    return recent_from
+
+
+def default_scale(head_dim: int, scaling: float | None = None) -> float:
+    """The logit scale: the model's, else ``1/sqrt(head_dim)``; LeanK never renormalises it."""
+    return float(scaling) if scaling is not None else head_dim**-0.5
+
+
+def apply_softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping after the scale, ``cap * tanh(logit / cap)`` (None: unchanged);
+    in place unless autograd needs the scores (training)."""
+    if softcap is None:
+        return scores
+    if scores.requires_grad:
+        return torch.tanh(scores / softcap) * softcap
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def gqa_view(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, Q, D]`` -> ``[B, Hkv, G, Q, D]``: query head h uses KV head ``h // G`` (transformers' GQA)."""
+    b, hq, q_len, d = query.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"{hq} query heads are not a multiple of {num_kv_heads} KV heads")
+    return query.reshape(b, num_kv_heads, hq // num_kv_heads, q_len, d)
