@@ -218,6 +218,33 @@ def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
     return rows
 
 
+def score_answer(text: str, expected: Sequence[str]) -> float:
+    """1.0 when the answer contains every expected string (a multi-value probe needs them all), else 0.0."""
+    return float(all(e in text for e in expected))
+
+
+def answer_with(lm: Any, method: str, inputs: dict[str, torch.Tensor], max_new_tokens: int = 24,
+                random_mask: ChannelMask | None = None) -> str:
+    """Greedy answer of ``method``: the full model, the learned mask, or a baseline decoding with its own mask
+    (``random_mask``, default :func:`random_mask_like` of the learned one; ThinK's is chosen per prompt)."""
+    from leank_infer import LeanKModel
+
+    gen = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    if method == "full":
+        out = lm.model.generate(**inputs, **gen)
+    elif method == "leank":
+        out = lm.generate(**inputs, **gen)
+    elif method in ("random", "think"):
+        if method == "random":
+            m = random_mask if random_mask is not None else random_mask_like(lm.mask)
+        else:
+            m = think_mask(lm.model, inputs["input_ids"], lm.mask)
+        out = LeanKModel(lm.model, m, lm.tokenizer).generate(**inputs, **gen)
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
 class RetrievalEval(L.LightningModule):
     """Answers every probe with each method; accuracy per (method, length) as torchmetrics."""
 
@@ -233,18 +260,7 @@ class RetrievalEval(L.LightningModule):
         self._random = random_mask_like(lm.mask)
 
     def _answer(self, method: str, inputs: dict[str, torch.Tensor]) -> str:
-        from leank_infer import LeanKModel
-
-        lm = self.lm
-        gen = {"max_new_tokens": self.max_new_tokens, "do_sample": False}
-        if method == "full":
-            out = lm.model.generate(**inputs, **gen)
-        elif method == "leank":
-            out = lm.generate(**inputs, **gen)
-        else:
-            m = self._random if method == "random" else think_mask(lm.model, inputs["input_ids"], lm.mask)
-            out = LeanKModel(lm.model, m, lm.tokenizer).generate(**inputs, **gen)
-        return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return answer_with(self.lm, method, inputs, self.max_new_tokens, self._random)
 
     def test_step(self, probe: Probe, batch_idx: int) -> None:
         tok = self.lm.tokenizer
@@ -254,7 +270,7 @@ class RetrievalEval(L.LightningModule):
                "expected": probe.expected}
         for method in self.methods:
             text = self._answer(method, dict(inputs))
-            ok = float(all(e in text for e in probe.expected))
+            ok = score_answer(text, probe.expected)
             self.acc[f"{method}_{probe.length}"].update(ok)
             row[method] = text
         self.answers.append(row)
