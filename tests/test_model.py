@@ -127,6 +127,8 @@ def test_sampling_chunked_prefill_and_beams_equal_hf():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_left_padded_batch_equals_each_prompt_alone(family):
+    """Each row of a left-padded batch decodes as that prompt alone: same logits at every step (the sink and
+    the recent window count from the row's first real token), with a mask that changes the padded row's logits."""
     model = tiny_model(family)
     lk = LeanKModel(model, random_mask(seed=1))
     a, b = prompt(30, seed=2)[0], prompt(17, seed=3)[0]
@@ -134,26 +136,67 @@ def test_left_padded_batch_equals_each_prompt_alone(family):
     attn = torch.zeros(2, 30, dtype=torch.long)
     batch[0], attn[0] = a, 1
     batch[1, 13:], attn[1, 13:] = b, 1
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
-    both = lk.generate(batch, attention_mask=attn, **kw)[:, 30:]
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    both = lk.generate(batch, attention_mask=attn, **kw)
     for row, ids in ((0, a), (1, b)):
-        alone = lk.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw)
-        assert torch.equal(both[row], alone[0, len(ids) :]), row
+        ones = torch.ones(1, len(ids), dtype=torch.long)
+        alone = lk.generate(ids[None], attention_mask=ones, **kw)
+        assert torch.equal(both.sequences[row, 30:], alone.sequences[0, len(ids) :]), row
+        for step, (x, y) in enumerate(zip(both.logits, alone.logits, strict=True)):
+            torch.testing.assert_close(x[row], y[0], atol=2e-5, rtol=1e-4, msg=f"row {row} step {step}")
+    # the comparison can fail: the padded row's prompt is past sink + recent, and pruning moves its logits
+    dense = hf_generate(model, b[None], **kw)
+    alone = lk.generate(b[None], attention_mask=torch.ones(1, 17, dtype=torch.long), **kw)
+    assert not torch.allclose(torch.stack(alone.logits), torch.stack(dense.logits), atol=1e-4)
+
+
+def _first_step_rule_attention(mask: ChannelMask):
+    """An attention function: dense for every query but the last, which follows the LeanK rule over full K/V
+    (middle keys scored with the kept channels only; a zero head skips them). Over a prompt + one token this
+    is what the first decode step after that prompt's prefill must compute (LEANK.md), from positions alone."""
+    from leank_infer.masked_attention import leank_attention
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        scaling = module.scaling if scaling is None else scaling
+        n, hkv, d = query.shape[2], key.shape[1], key.shape[3]
+        args = (query, key, value)
+        dense = leank_attention(*args, torch.ones(hkv, d), torch.arange(n), 0, 0, scaling)
+        last = leank_attention(query[:, :, -1:], key, value, mask.keep[module.layer_idx].float(),
+                               torch.tensor([n - 1]), mask.sink_size, mask.recent_size, scaling,
+                               skip_zero_heads=True)
+        return torch.cat([dense[:, :-1], last], 1), None
+
+    return attend
 
 
 def test_pruning_changes_decoding_but_not_prefill():
-    """A real mask prunes: prefill logits stay dense, later tokens may differ from dense decoding."""
+    """A real mask prunes: prefill logits stay dense, and the first decode step is the LeanK rule's
+    (computed over full K/V from token positions), which differs from dense decoding."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     model = tiny_model("llama")
     ids = prompt(60, seed=4)
     dense = model(ids).logits
-    lk = LeanKModel(model, random_mask(ratio=0.7))
+    mask = random_mask(ratio=0.7)
+    lk = LeanKModel(model, mask)
     cache = lk.new_cache()
     with torch.no_grad():
         out = lk(ids, cache=cache)
-        assert torch.allclose(out.logits, dense, atol=1e-5)
+        torch.testing.assert_close(out.logits, dense, atol=1e-5, rtol=1e-5)
         nxt = out.logits[:, -1:].argmax(-1)
         dense_next = model(torch.cat([ids, nxt], 1)).logits[:, -1]
         leank_next = lk(nxt, cache=cache).logits[:, -1]
+        AttentionInterface.register("leank_first_step_ref", _first_step_rule_attention(mask))
+        AttentionMaskInterface.register("leank_first_step_ref", sdpa_mask)
+        impl = model.config._attn_implementation
+        model.set_attn_implementation("leank_first_step_ref")
+        try:
+            rule_next = model(torch.cat([ids, nxt], 1)).logits[:, -1]
+        finally:
+            model.set_attn_implementation(impl)
+    torch.testing.assert_close(leank_next, rule_next, atol=2e-5, rtol=1e-4)
     assert not torch.allclose(leank_next, dense_next, atol=1e-4)
 
 
