@@ -214,6 +214,57 @@ def test_kv_bytes_for_2048_tokens_follow_the_mask_formula():
     assert got < dynamic_cache_bytes(dense) == 2048 * mask.kv_bytes_per_token(torch.float32)["dense"]
 
 
+def test_kv_bytes_after_many_decode_steps_follow_the_schedule():
+    """Through 40 decode steps (ten compressions), the cache holds exactly the rule's bytes: sink + r full
+    tokens and the rest pruned, r computed here from the sizes alone (LEANK.md): recent after the prefill;
+    before each new token joins, accumu of them move to the middle if r passed recent + accumu. So the
+    query at p sees full keys [p - r', p] with recent <= r' <= recent + accumu."""
+    model = tiny_model("llama")
+    mask = random_mask(ratio=0.7)  # sink 4, recent 8, accumu 4
+    lk = LeanKModel(model, mask)
+    per = mask.kv_bytes_per_token(torch.float32)
+    ids = prompt(40, seed=11)
+    cache = lk.new_cache()
+    seen = []
+    with torch.no_grad():
+        logits = lk(ids, cache=cache).logits[:, -1]
+        r, total = mask.recent_size, 40
+        for _ in range(40):
+            logits = lk(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+            if r > mask.recent_size + mask.accumu_size:
+                r -= mask.accumu_size
+            total, r = total + 1, r + 1
+            full = mask.sink_size + r
+            assert cache.nbytes() == full * per["dense"] + (total - full) * per["leank_middle"], total
+            seen.append(r)
+    assert min(seen) == mask.recent_size + 1 and max(seen) == mask.recent_size + mask.accumu_size + 1
+    assert cache.nbytes() < total * per["dense"]
+
+
+def test_beam_search_reorders_a_pruned_cache():
+    """Beams swap places during the search: each returned beam's score equals that sequence decoded alone,
+    one token at a time through a fresh LeanK cache (a cache not reordered with its beam would mix them).
+    Recent 4 / accumu 2 after a 12-token prompt: generated tokens reach the compressed middle early."""
+    model = tiny_model("qwen3")
+    lk = LeanKModel(model, random_mask(seed=2, ratio=0.7, recent_size=4, accumu_size=2))
+    ids, new = prompt(12, seed=12), 30
+    kw = dict(num_beams=3, num_return_sequences=3, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              length_penalty=0.0, early_stopping=True)
+    out = lk.generate(ids, attention_mask=torch.ones_like(ids), output_scores=True, return_dict_in_generate=True,
+                      **kw)
+    assert len({tuple(s.tolist()) for s in out.sequences}) == 3
+    assert (out.beam_indices[:, 10:new] != out.beam_indices[:, 9:new - 1]).any()  # beams swapped late
+    assert not torch.equal(hf_generate(model, ids, **kw), out.sequences)  # the search itself is pruned
+    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
+        cache = lk.new_cache()
+        with torch.no_grad():
+            logp = [torch.log_softmax(lk(ids, cache=cache).logits[0, -1].float(), -1)]
+            for t in range(12, 12 + new - 1):
+                logp.append(torch.log_softmax(lk(seq[None, t : t + 1], cache=cache).logits[0, -1].float(), -1))
+        alone = sum(float(lp[seq[12 + i]]) for i, lp in enumerate(logp))
+        assert score.item() == pytest.approx(alone, abs=1e-4)
+
+
 def test_mismatched_mask_is_refused_before_touching_the_model():
     model = tiny_model("llama")
     impl = model.config._attn_implementation
