@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask, check_ratio_align, model_shape
+from .mask import ChannelMask, check_ratio_align, dense_layers_of, model_shape
 
 
 def global_layers(config: Any) -> list[bool]:
-    """Per layer: True where attention is global (LeanK applies), False for sliding-window layers."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = int(cfg.num_hidden_layers)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [t not in ("sliding_attention", "chunked_attention", "linear_attention") for t in types[:n]]
-    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-    return [not sliding] * n
+    """Per layer: True where attention is global (LeanK applies), False for sliding-window layers.
+
+    The complement of :func:`leank_infer.mask.dense_layers_of`, the one rule for which layers slide,
+    so the estimate counts as dense exactly the layers a mask leaves whole.
+    """
+    layers, _, _ = model_shape(config)
+    dense = set(dense_layers_of(config))
+    return [i not in dense for i in range(layers)]
 
 
 def estimate_kv_bytes(

@@ -253,6 +253,34 @@ def _headline_text(h: dict[str, Any]) -> str:
     return text
 
 
+def score_answer(text: str, expected: Sequence[str]) -> float:
+    """1.0 when the answer holds every expected string (RULER's all-or-nothing match, case ignored), else 0.0."""
+    return float(correct(text, expected))
+
+
+def answer_with(lm: Any, method: str, inputs: dict[str, torch.Tensor], max_new_tokens: int = 24,
+                random_mask: ChannelMask | None = None) -> str:
+    """Greedy answer of ``method``: the full model, the learned mask, or a baseline decoding with its own mask
+    (``random_mask``, default :func:`random_mask_like` of the learned one; ThinK's is chosen per prompt)."""
+    from leank_infer import LeanKModel
+
+    gen = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    if method == "full":
+        with lm.dense():
+            out = lm.model.generate(**inputs, **gen)
+    elif method == "leank":
+        out = lm.generate(**inputs, **gen)
+    elif method in ("random", "think"):
+        if method == "random":
+            m = random_mask if random_mask is not None else random_mask_like(lm.mask)
+        else:
+            m = think_mask(lm.model, inputs["input_ids"], lm.mask)
+        out = LeanKModel(lm.model, m, lm.tokenizer).generate(**inputs, **gen)
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
 class RetrievalEval(L.LightningModule):
     """Answers every probe with each method; accuracy per (method, length) as torchmetrics."""
 
@@ -268,19 +296,7 @@ class RetrievalEval(L.LightningModule):
         self._random = random_mask_like(lm.mask)
 
     def _answer(self, method: str, inputs: dict[str, torch.Tensor], max_new_tokens: int | None = None) -> str:
-        from leank_infer import LeanKModel
-
-        lm = self.lm
-        gen = {"max_new_tokens": max_new_tokens or self.max_new_tokens, "do_sample": False}
-        if method == "full":
-            with lm.dense():
-                out = lm.model.generate(**inputs, **gen)
-        elif method == "leank":
-            out = lm.generate(**inputs, **gen)
-        else:
-            m = self._random if method == "random" else think_mask(lm.model, inputs["input_ids"], lm.mask)
-            out = LeanKModel(lm.model, m, lm.tokenizer).generate(**inputs, **gen)
-        return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return answer_with(self.lm, method, inputs, max_new_tokens or self.max_new_tokens, self._random)
 
     def test_step(self, probe: Probe, batch_idx: int) -> None:
         ids = torch.tensor([chat_ids(self.lm.tokenizer, probe.messages, probe.answer_prefix)])
@@ -290,10 +306,10 @@ class RetrievalEval(L.LightningModule):
                                "correct": {}}
         for method in self.methods:
             text = self._answer(method, dict(inputs), probe.max_new_tokens)
-            ok = correct(text, probe.expected)
-            self.acc[f"{method}_{probe.length}"].update(float(ok))
+            ok = score_answer(text, probe.expected)
+            self.acc[f"{method}_{probe.length}"].update(ok)
             row[method] = text
-            row["correct"][method] = ok
+            row["correct"][method] = bool(ok)
         self.answers.append(row)
 
     def on_test_epoch_end(self) -> None:

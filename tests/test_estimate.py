@@ -45,3 +45,38 @@ def test_estimate_rejects_bad_input():
         estimate_kv_bytes(tiny_config(), ratio=1.2)
     with pytest.raises(ValueError, match="zero_head_fraction"):
         estimate_kv_bytes(tiny_config(), zero_head_fraction=2)
+
+
+# Which layers slide, written out by hand for each family config (not derived from either function).
+SLIDING_CASES = {
+    "llama": ("llama", {}, ()),
+    "qwen2": ("qwen2", {}, ()),
+    "qwen3": ("qwen3", {}, ()),
+    "mistral": ("mistral", {}, ()),
+    "gemma2": ("gemma2", {}, (0,)),
+    "gemma3": ("gemma3", {}, (0,)),
+    "phi3": ("phi3", {}, ()),
+    "gemma2-4-layers": ("gemma2", {"num_hidden_layers": 4}, (0, 2)),
+    "mistral-window-16": ("mistral", {"sliding_window": 16}, (0, 1)),
+    "phi3-window-16": ("phi3", {"sliding_window": 16}, (0, 1)),
+    # Phi-3-128k: a window as long as the positions never bites, so every layer is global
+    "phi3-window-eq-max-positions": ("phi3", {"sliding_window": 4096, "max_position_embeddings": 4096}, ()),
+    "qwen2-window-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, (1,)),
+    "qwen2-window-off": ("qwen2", {"use_sliding_window": False, "sliding_window": 16}, ()),
+    "qwen3-window-from-layer-1": ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, (1,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLIDING_CASES))
+def test_one_rule_for_which_layers_slide(case):
+    """The estimate and the mask (validate, binarize, training) agree on the sliding layers of every family."""
+    from leank_infer.mask import dense_layers_of
+
+    family, overrides, sliding = SLIDING_CASES[case]
+    cfg = tiny_config(family, **overrides)
+    assert dense_layers_of(cfg) == sliding
+    assert global_layers(cfg) == [i not in sliding for i in range(cfg.num_hidden_layers)]
+    e = estimate_kv_bytes(cfg, ratio=0.5)
+    assert e["global_layers"] == cfg.num_hidden_layers - len(sliding)
+    per_layer = 2 * 2 * 16 * 2  # K+V, 2 KV heads, head_dim 16, bf16
+    assert e["leank_bytes_per_token"] == len(sliding) * per_layer + e["global_layers"] * (2 * 16 * 2) * (0.5 + 1.0)

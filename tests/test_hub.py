@@ -336,3 +336,31 @@ def test_card_metadata_survives_the_round_trip(hub: FakeHub, folder: Path) -> No
     assert d["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and d["library_name"] == "leank"
     assert d["model-index"][0]["results"][0]["metrics"][0]["value"] == 0.5
 
+
+
+def test_from_pretrained_loads_the_base_model_at_the_masks_revision(hub: FakeHub, tmp_path: Path) -> None:
+    """A mask pins its base model's revision: LeanKModel.from_pretrained loads those weights, not main's."""
+    from test_model import tiny_repo
+
+    from leank_infer import LeanKModel
+
+    base = "tester/tiny-base"
+    api().create_repo(base)
+    _, model = tiny_repo(tmp_path / "v1")
+    old = api().upload_folder(repo_id=base, folder_path=tmp_path / "v1" / "base", commit_message="v1")
+    new_weights = tmp_path / "v2" / "base"
+    shutil.copytree(tmp_path / "v1" / "base", new_weights)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)
+    model.save_pretrained(new_weights)
+    api().upload_folder(repo_id=base, folder_path=new_weights, commit_message="v2")
+    mask = ChannelMask.from_dir(tmp_path / "v1" / "mask")
+    mask.base_model = base
+
+    def lm_head(revision):
+        mask.base_revision = revision
+        folder = mask.save_pretrained(tmp_path / f"mask-{revision}")
+        return LeanKModel.from_pretrained(folder).model.lm_head.weight
+
+    torch.testing.assert_close(lm_head(old.oid), -model.lm_head.weight, atol=0, rtol=0)  # the pinned commit
+    torch.testing.assert_close(lm_head(None), model.lm_head.weight, atol=0, rtol=0)  # main

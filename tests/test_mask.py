@@ -46,6 +46,43 @@ def test_binarize_is_deterministic_on_ties():
     assert torch.equal(a, b)
 
 
+def test_a_tie_at_the_cut_keeps_the_lower_channel_indices():
+    """The cut falls inside a tie: 5 channels tie above the threshold, the head keeps round(5/4)*4 = 4 of them.
+
+    The documented rule: among equal scores the lower channel index is kept. Each head puts its tied
+    channels elsewhere (and a distinct top channel in some), so random, reversed or position-blind tie
+    breaking keeps other channels.
+    """
+    g = torch.Generator().manual_seed(0)
+    scores = torch.zeros(3, 4, 16)
+    expected = torch.zeros(3, 4, 16, dtype=torch.bool)
+    for layer in range(3):
+        for head in range(4):
+            tied = torch.randperm(16, generator=g)[:5].sort().values
+            scores[layer, head, tied] = 2.0
+            expected[layer, head, tied[:4]] = True  # the four lowest indices of the five tied channels
+    # 60 zeros and 20 tied values per layer: the 0.5-quantile is 0, every tied channel is above it
+    keep = binarize(scores, 0.5, 4)
+    assert (keep.sum(-1) == 4).all()
+    assert torch.equal(keep, expected)
+    # the same with a distinct best channel first: it is kept, then the lowest-index tied ones
+    scores[0, 0] = 0.0
+    scores[0, 0, [2, 5, 8, 11]], scores[0, 0, 15] = 2.0, 3.0
+    assert binarize(scores, 0.5, 4)[0, 0].nonzero().flatten().tolist() == [2, 5, 8, 15]
+
+
+def test_the_ratio_is_over_the_pruned_layers_only():
+    """Dense (sliding) layers take no part in the quantile: scores there (all high, or all low) do not move
+    the threshold, so the pruned layer keeps exactly 1 - ratio of its channels, its highest ones."""
+    pruned = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 16) / 32  # distinct scores in [0, 1)
+    for dense_value in (5.0, -5.0):
+        scores = torch.stack([torch.full((2, 16), dense_value), pruned])
+        keep = binarize(scores, 0.5, 4, dense_layers=(0,))
+        assert bool(keep[0].all())
+        assert torch.equal(keep[1], pruned >= pruned.flatten().sort().values[16])  # the top half of layer 1
+        assert int(keep[1].sum()) == 16  # over both layers, the quantile would keep 0 (5.0) or 32 (-5.0)
+
+
 def test_save_load_round_trip(tmp_path):
     mask = random_mask(base_model="org/model", base_revision="abc", loader={"gguf_file": "m.gguf"},
                        sink_size=4, recent_size=8, accumu_size=2, recipe="a: 1\n")

@@ -1,0 +1,89 @@
+"""`leank eval` scores what it claims: right and wrong answers, each method with its own mask, the KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import tiny_repo
+
+from leank_infer import ChannelMask, LeanKModel
+from leank_train.evaluate import (
+    answer_with,
+    evaluate,
+    next_token_kl,
+    random_mask_like,
+    score_answer,
+    think_mask,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = [" ".join(f"w{3 + (7 * i + j) % 120}" for j in range(9)) + "." for i in range(60)]
+
+
+def test_score_answer_on_answers_known_right_and_wrong():
+    assert score_answer("The passcode is 4711.", ["4711"]) == 1.0
+    assert score_answer("4711", ["4711"]) == 1.0
+    assert score_answer("The passcode is 4712.", ["4711"]) == 0.0
+    assert score_answer("", ["4711"]) == 0.0
+    assert score_answer("12345, 67890 and 13579", ["12345", "67890", "13579"]) == 1.0
+    assert score_answer("12345 and 67890", ["12345", "67890", "13579"]) == 0.0  # every value is needed
+
+
+def _decode(model, mask, tokenizer, inputs, n):
+    out = (model if mask is None else LeanKModel(model, mask, tokenizer)).generate(
+        **inputs, max_new_tokens=n, do_sample=False)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_each_method_decodes_with_its_own_mask(tmp_path):
+    """full: the model itself; leank: the learned mask; random/think: their own masks at the same budget.
+    The four answers differ on this prompt, so a method routed through another's mask is caught."""
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
+    mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    rnd = random_mask_like(lm.mask, seed=7)
+    own = {"full": None, "leank": lm.mask, "random": rnd, "think": think_mask(lm.model, ids, lm.mask)}
+    want = {m: _decode(lm.model, mask, lm.tokenizer, inputs, 16) for m, mask in own.items()}
+    assert len(set(want.values())) == 4, want  # the test can tell the methods apart
+    for method in own:
+        assert answer_with(lm, method, dict(inputs), 16, random_mask=rnd) == want[method], method
+    with pytest.raises(ValueError, match="unknown method"):
+        answer_with(lm, "dense", inputs)
+
+
+def test_next_token_kl_is_zero_for_identical_models_and_positive_for_a_pruned_one(tmp_path):
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    full = LeanKModel(lm.model, ChannelMask.full(2, 2, 16, sink_size=4, recent_size=8, accumu_size=4), lm.tokenizer)
+    kw = dict(context=48, steps=12, windows=2)
+    assert next_token_kl(full, WORDS, **kw) == pytest.approx(0.0, abs=1e-6)
+    pruned = next_token_kl(lm, WORDS, **kw)
+    assert pruned > 1e-4
+    # KL(full || LeanK) by hand for the first window: dense logits of the whole window vs LeanK's decode steps
+    ids = lm.tokenizer(" ".join(WORDS[len(WORDS) // 2:]), return_tensors="pt")["input_ids"][:, :60]
+    with torch.no_grad():
+        p = torch.log_softmax(lm.model(ids).logits[0, 47:59].float(), -1)
+        cache = lm.new_cache()
+        rows = [lm(ids[:, :48], cache=cache).logits[0, -1]]
+        rows += [lm(ids[:, t:t + 1], cache=cache).logits[0, -1] for t in range(48, 59)]
+        q = torch.log_softmax(torch.stack(rows).float(), -1)
+    first = float((p.exp() * (p - q)).sum(-1).mean())
+    assert next_token_kl(lm, WORDS, context=48, steps=12, windows=1) == pytest.approx(first, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_evaluate_scores_right_answers_and_a_mask_that_breaks_retrieval(embedded):
+    """The embedded model finds the passkey; a mask that keeps no middle channel (the needle is in the
+    middle) cannot: accuracy 1 for the full model, 0 for LeanK with that mask, every answer scored."""
+    model, tok = embedded
+    blind = ChannelMask(keep=torch.zeros(30, 3, 64, dtype=torch.bool), sink_size=4, recent_size=16,
+                        accumu_size=8, ratio=0.9, align=16)
+    res = evaluate(LeanKModel(model, blind, tok), lengths=[320], samples=2, kinds=["passkey"],
+                   methods=["full", "leank"], seed=3, kl=False, max_new_tokens=24)
+    for row in res["answers"]:
+        assert row["expected"][0] in row["full"] and row["expected"][0] not in row["leank"], row
+    assert res["accuracy"] == {"full": {320: 1.0}, "leank": {320: 0.0}}

@@ -1,0 +1,109 @@
+"""The distillation term drives alpha: through the loss the optimizer sees (``training_step``), not only the L1.
+
+Without it (e.g. ``training_step`` returning ``distill.detach() + reg``) the L1 alone would still move
+alpha, uniformly over channels, and every test that checks only "alpha moved" would pass.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import save_file
+
+from leank_infer.mask import binarize
+from leank_train.module import LeanKDistillation
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode"),
+    pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`"),
+]
+
+SIZES = dict(sink_size=4, recent_size=8, align=4)
+PLANTED = (3, 11)  # a rotate-half RoPE pair (c, c + head_dim/2): they rotate together
+
+
+def _batch(total: int = 60, context: int = 50, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 128, (1, total), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": torch.where(torch.arange(total) >= context, ids, -100),
+            "context_len": torch.tensor([context])}
+
+
+def _fit(module: LeanKDistillation, batch: dict[str, torch.Tensor], steps: int) -> None:
+    """``steps`` optimizer steps of Lightning on the same batch."""
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader([batch] * steps, batch_size=None))
+
+
+def _distill(module: LeanKDistillation, batch: dict[str, torch.Tensor]) -> float:
+    with torch.no_grad():
+        return float(module.losses(batch)[0])
+
+
+def test_distillation_gradient_is_where_the_rule_says_and_descends():
+    """reg 0: the step's loss has a gradient on alpha in the global layer (every channel: every middle key
+    sees them all), none in Gemma 2's sliding layer, none without middle keys; and it points downhill."""
+    module = LeanKDistillation.for_model(tiny_model("gemma2"), reg_weight=0.0, **SIZES)
+    assert module.dense_layers == (0,)
+    batch = _batch()
+    with torch.no_grad():
+        module.alpha.fill_(0.5)
+    module.training_step(batch, 0).backward()
+    grad = module.alpha.grad.clone()
+    assert torch.count_nonzero(grad[0]) == 0  # the sliding layer is dense: alpha is unused there
+    assert bool((grad[1] != 0).all())
+    with torch.no_grad():  # a small step against the gradient lowers the loss, one along it raises it
+        start, base = module.alpha.clone(), _distill(module, batch)
+        module.alpha.copy_(start - 1e-2 * grad / grad.norm())
+        down = _distill(module, batch)
+        module.alpha.copy_(start + 1e-2 * grad / grad.norm())
+        up = _distill(module, batch)
+    assert down < base < up
+    # the last answer query is at 12 = sink + recent: no answer token has a middle key, no gradient
+    module.alpha.grad = None
+    with torch.no_grad():
+        module.alpha.copy_(start)
+    module.training_step(_batch(total=13, context=10), 0).backward()
+    assert module.alpha.grad is None or torch.count_nonzero(module.alpha.grad) == 0
+
+
+def test_a_few_steps_lower_the_distillation_loss(tmp_path):
+    """From alpha = 0.3 everywhere, reg 0: ten Lightning steps on one batch lower that batch's distillation loss."""
+    save_file({"alpha": torch.full((2, 2, 16), 0.3)}, str(tmp_path / "alpha.safetensors"))
+    module = LeanKDistillation.for_model(tiny_model("llama"), reg_weight=0.0, lr=0.05, warmup_steps=1,
+                                         init_scores=str(tmp_path / "alpha.safetensors"), **SIZES)
+    batch = _batch()
+    before = _distill(module, batch)
+    _fit(module, batch, 10)
+    after = _distill(module, batch)
+    assert after < 0.7 * before, (before, after)
+
+
+def _planted_model() -> torch.nn.Module:
+    """A tiny Llama whose channels 3 and 11 of every head carry most of q.k (their q/k rows scaled 8x)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for c in PLANTED:
+                attn.k_proj.weight.view(2, 16, -1)[:, c] *= 8
+                attn.q_proj.weight.view(4, 16, -1)[:, c] *= 8
+    return model
+
+
+def test_channels_that_carry_the_answer_survive_the_l1_pull():
+    """Stage 1 with a strong L1: the L1 alone lowers every alpha alike (the binarisation would then keep the
+    lowest channel indices of each head); the distillation holds up the channels carrying q.k, so they
+    are the highest alpha of every head and the ones a binarisation keeps."""
+    module = LeanKDistillation.for_model(_planted_model(), reg_weight=0.5, lr=0.05, warmup_steps=1, **SIZES)
+    _fit(module, _batch(), 30)
+    alpha = module.alpha.detach()
+    others = [c for c in range(16) if c not in PLANTED]
+    assert float(alpha.max()) < 0.5  # the L1 pulled everything down...
+    assert bool((alpha[..., list(PLANTED)].min(-1).values > alpha[..., others].max(-1).values).all())  # ...but these less
+    keep = binarize(alpha, 1 - 2 / 16, 2)
+    assert keep.nonzero()[:, -1].unique().tolist() == list(PLANTED)
+    assert bool((keep.sum(-1) == 2).all())
