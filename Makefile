@@ -45,13 +45,13 @@ demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml
 
 test: $(STAMP) $(VSTAMP)
-	$(PY) -m pytest -q --ignore=tests/vllm
+	$(PY) -m pytest -q --ignore=tests/vllm_plugin
 	$(MAKE) test-vllm
 
 # The vLLM tests run in the vLLM environment; they take the base model from the main one's ~/.cache/leank copy.
 test-vllm: $(STAMP) $(VSTAMP)
 	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
-	$(VPY) -m pytest -q tests/vllm
+	$(VPY) -m pytest -q tests/vllm_plugin
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leank_infer leank_train tests benchmarks

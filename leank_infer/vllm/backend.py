@@ -51,7 +51,9 @@ def check_engine(vllm_config: Any) -> None:
             "then max_num_batched_tokens must be at least max_model_len)"
         )
     if vllm_config.parallel_config.tensor_parallel_size != 1:
-        problems.append(f"tensor parallelism (tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size})")
+        problems.append(
+            f"tensor parallelism (tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size})"
+        )
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         problems.append(f"a quantised KV cache (kv_cache_dtype={vllm_config.cache_config.cache_dtype!r})")
     if problems:
@@ -69,6 +71,7 @@ class _RequestState:
     tail_start: int
     tail_k: torch.Tensor  # [length - tail_start, Hkv, D]
     tail_v: torch.Tensor
+    seen: int = 0  # the forward step that last touched it
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.head_k, self.head_v, self.tail_k, self.tail_v))
@@ -83,6 +86,7 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         self.layout: PackedLayout | None = None
         self.layer_index: int | None = None
         self.states: OrderedDict[int, _RequestState] = OrderedDict()
+        self.step = 0
         config = get_current_vllm_config()
         settings = settings_from(getattr(config, "additional_config", None))
         if settings is None or self.attn_type != AttentionType.DECODER or self.sliding_window != -1:
@@ -129,7 +133,9 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
         keep = slots >= 0  # padding tokens carry slot -1
-        rows = self.layout.pack(key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1))
+        rows = self.layout.pack(
+            key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1)
+        )
         pages = self._pages(kv_cache)
         pages.index_copy_(0, slots[keep], rows[keep].to(pages.dtype))
 
@@ -169,6 +175,7 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         seq_lens = attn_metadata.seq_lens.tolist()
         pages = self._pages(kv_cache)
         block_size = kv_cache.shape[2]
+        self.step += 1
         for i in range(len(seq_lens)):
             s, e = starts[i], starts[i + 1]
             if e <= s:
@@ -179,13 +186,29 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
             if context == 0:
                 out[s:e] = self._prefill(rid, q[s:e], k[s:e], v[s:e])
             elif q_len == 1:
-                out[s] = self._decode(rid, context, q[s], k[s], v[s], pages, attn_metadata.block_table[i], block_size)
+                out[s] = self._decode(
+                    rid, context, q[s], k[s], v[s], pages, attn_metadata.block_table[i], block_size
+                )
             else:
                 raise RuntimeError(
                     f"LeanK got {q_len} new tokens after {context} cached ones (chunked prefill, prefix caching "
                     "or speculative decoding): not supported, the engine should have refused them at start-up"
                 )
+            self.states[rid].seen = self.step
+        self._forget_finished()
         return output
+
+    def _forget_finished(self) -> None:
+        """Drop the side store of requests absent from two steps in a row: they finished or were preempted.
+
+        vLLM schedules every running request at every step in the settings this backend accepts (no
+        chunked prefill: a decode needs one token of the budget); a preempted request comes back as a
+        new prefill, which rebuilds its state. A request that is skipped anyway fails loudly at its next
+        decode (``_decode``), never silently.
+        """
+        stale = [rid for rid, st in self.states.items() if st.seen < self.step - 1]
+        for rid in stale:
+            del self.states[rid]
 
     def _prefill(self, rid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Every channel, causal (as the HF path's prefill); then the sink and recent part go to the side store."""
@@ -202,7 +225,13 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         head = min(mask.sink_size, t)
         tail_start = max(head, recent_start(t, t, mask.recent_size, mask.accumu_size))
         self.states[rid] = _RequestState(
-            t, t, k[:head].clone(), v[:head].clone(), tail_start, k[tail_start:].clone(), v[tail_start:].clone()
+            t,
+            t,
+            k[:head].clone(),
+            v[:head].clone(),
+            tail_start,
+            k[tail_start:].clone(),
+            v[tail_start:].clone(),
         )
         self.states.move_to_end(rid)
         while len(self.states) > self.max_states:

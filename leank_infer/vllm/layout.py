@@ -44,12 +44,17 @@ class PackedLayout:
         return self.width * torch.empty((), dtype=dtype).element_size()
 
     def to(self, device: torch.device) -> PackedLayout:
-        return PackedLayout(self.k_index.to(device), self.v_index.to(device), self.num_kv_heads, self.head_dim)
+        return PackedLayout(
+            self.k_index.to(device), self.v_index.to(device), self.num_kv_heads, self.head_dim
+        )
 
     def pack(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[T, kv_heads, head_dim]`` K and V to ``[T, width]`` page rows."""
         t = key.shape[0]
-        parts = [key.reshape(t, -1).index_select(1, self.k_index), value.reshape(t, -1).index_select(1, self.v_index)]
+        parts = [
+            key.reshape(t, -1).index_select(1, self.k_index),
+            value.reshape(t, -1).index_select(1, self.v_index),
+        ]
         out = torch.cat(parts, dim=1)
         if out.shape[1] < self.width:  # a layer that keeps nothing: one padding element
             out = torch.cat([out, out.new_zeros(t, self.width - out.shape[1])], dim=1)

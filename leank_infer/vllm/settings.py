@@ -53,7 +53,9 @@ def settings_from(additional_config: Any) -> LeanKSettings | None:
     if mask is None:
         return None
     if not isinstance(mask, str):
-        raise MaskError(f"additional_config[{KEY_MASK!r}] must be a folder or Hub repo id (string), got {mask!r}")
+        raise MaskError(
+            f"additional_config[{KEY_MASK!r}] must be a folder or Hub repo id (string), got {mask!r}"
+        )
     revision = cfg.get(KEY_REVISION)
     if revision is not None and not isinstance(revision, str):
         raise MaskError(f"additional_config[{KEY_REVISION!r}] must be a string, got {revision!r}")
@@ -90,6 +92,6 @@ def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str 
     if names and not any(_same_model_id(mask.base_model, n) for n in names):
         message = f"the LeanK mask {settings.mask!r} was trained for {mask.base_model!r} but vLLM serves {names[0]!r}"
         if settings.check_base_model:
-            raise MaskError(f"{message} (set additional_config {{\"{KEY_CHECK}\": false}} to serve it anyway)")
+            raise MaskError(f'{message} (set additional_config {{"{KEY_CHECK}": false}} to serve it anyway)')
         warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
     return mask
