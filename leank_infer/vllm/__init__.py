@@ -21,10 +21,14 @@ BACKEND = "leank_infer.vllm.backend.LeanKCPUAttentionBackend"
 def register() -> None:
     """vLLM general plugin: put the LeanK backend in place of vLLM's CPU attention backend.
 
-    ``register_backend`` takes a class path, so nothing heavy is imported here; the backend acts only
-    when the engine's ``additional_config`` (or ``$LEANK_MASK``) names a mask, and is vLLM's own CPU
-    attention otherwise. Safe to call more than once (vLLM may load plugins in several processes).
+    ``register_backend`` takes a class path (the backend is imported when vLLM builds its first
+    attention layer); the backend acts only when the engine's ``additional_config`` (or
+    ``$LEANK_MASK``) names a mask, and is vLLM's own CPU attention otherwise. Also installs the
+    per-layer page hook (:mod:`leank_infer.vllm.spec`). Safe to call more than once.
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .spec import install
+
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    install()

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from vllm.config import get_current_vllm_config
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
@@ -112,9 +111,10 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         self.layout = PackedLayout.from_keep(keep)
 
-    def kv_cache_spec(self, spec: FullAttentionSpec) -> FullAttentionSpec:
+    def leank_kv_cache_spec(self, layer_name: str, spec: FullAttentionSpec) -> FullAttentionSpec:
         """The layer's spec with one packed row per token (``num_head_slots=1``, ``state_content_bytes=width``)."""
-        if self.layout is None:
+        self.bind(layer_name)
+        if self.layout is None or type(spec) is not FullAttentionSpec:
             return spec
         return replace(spec, num_head_slots=1, state_content_bytes=self.layout.bytes_per_token(spec.dtype))
 
@@ -300,20 +300,3 @@ class LeanKCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[LeanKCPUAttentionImpl]:
         return LeanKCPUAttentionImpl
-
-
-_original_get_kv_cache_spec = Attention.get_kv_cache_spec
-
-
-def _get_kv_cache_spec(self: Attention, vllm_config: Any) -> Any:
-    """``Attention.get_kv_cache_spec`` plus LeanK's per-layer page (vLLM's backend hook, ``customize_spec``,
-    sees the spec but not the layer, and LeanK pages differ per layer)."""
-    spec = _original_get_kv_cache_spec(self, vllm_config)
-    impl = getattr(self, "impl", None)
-    if isinstance(impl, LeanKCPUAttentionImpl) and impl.mask is not None and type(spec) is FullAttentionSpec:
-        impl.bind(self.layer_name)
-        spec = impl.kv_cache_spec(spec)
-    return spec
-
-
-Attention.get_kv_cache_spec = _get_kv_cache_spec
