@@ -48,10 +48,11 @@ test: $(STAMP) $(VSTAMP)
 	$(PY) -m pytest -q --ignore=tests/vllm_plugin
 	$(MAKE) test-vllm
 
-# The vLLM tests run in the vLLM environment; they take the base model from the main one's ~/.cache/leank copy.
+# The vLLM tests run in the vLLM environment; they serve the main environment's de-quantised copy of the
+# embedded model (~/.cache/leank) and take LeanKModel.generate references from the main environment.
 test-vllm: $(STAMP) $(VSTAMP)
 	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
-	$(VPY) -m pytest -q tests/vllm_plugin
+	LEANK_REF_PYTHON=$(abspath $(PY)) $(VPY) -m pytest -q tests/vllm_plugin
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leank_infer leank_train tests benchmarks

@@ -82,7 +82,7 @@ def main() -> None:
         prog="python benchmarks/vllm_capacity.py", description=__doc__.splitlines()[0]
     )
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct"))
-    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--requests", type=int, default=0)
     p.add_argument("--new-tokens", type=int, default=16)
