@@ -75,10 +75,15 @@ def test_server_answers_like_leank_model_and_holds_more_tokens(server, prompts, 
     client = OpenAI(base_url=base_url, api_key="unused")
     # the completions API takes token ids: the same input as the reference
     got = client.completions.create(
-        model="smollm2", prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0.0
+        model="smollm2",
+        prompt=prompts[1],
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},  # vLLM's own request fields
     )
-    want = tokenizer.decode(reference_tokens(prompts, NEW_TOKENS)[1])
-    assert got.choices[0].text == want
+    want = reference_tokens(prompts, NEW_TOKENS)[1]
+    assert got.choices[0].token_ids == want
+    assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
     chat = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
         temperature=0.0,
