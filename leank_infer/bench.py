@@ -7,6 +7,7 @@ decode step latency is the median gap between consecutive steps (prefill exclude
 
     leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
     leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
+    leank bench hub/llama-3.1-8b-instruct --capacity 80                   # largest batch on an 80 GiB GPU
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cache import dynamic_cache_bytes
-from .loading import load_base_model, load_mask_base_model
-from .mask import ChannelMask, model_shape
+from .cli_types import fraction, positive_int, positive_int_list
+from .generation import CACHE_KWARG
+from .loading import BaseModelError, load_base_model, load_mask_base_model
+from .mask import ChannelMask, MaskError, model_positions, model_shape
 from .model import LeanKModel
 
 DEFAULT_MASK = Path("hub") / "smollm2-135m-instruct"
@@ -63,8 +66,15 @@ def estimate_main(model_id: str, ratio: float, zero_heads: float, dtype: torch.d
     from transformers import AutoConfig
 
     from .estimate import estimate_kv_bytes
+    from .hub_names import repo_id_problem
 
-    cfg = AutoConfig.from_pretrained(model_id)
+    if not Path(model_id).is_dir() and repo_id_problem(model_id):
+        raise BaseModelError(f"--estimate {model_id[:200]!r}: not a model folder, and {repo_id_problem(model_id)}")
+    try:
+        cfg = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BaseModelError(f"--estimate {model_id!r}: cannot read its config: {first}") from None
     e = estimate_kv_bytes(cfg, ratio=ratio, zero_head_fraction=zero_heads, dtype=dtype)
     print(f"{model_id}: {e['layers']} layers ({e['global_layers']} global), {e['kv_heads']} KV heads x "
           f"{e['head_dim']} channels, {e['dtype']}")
@@ -83,7 +93,7 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int) -> dict[str, float]:
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            cache=cache,
+            **{CACHE_KWARG: cache},
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -99,34 +109,63 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
+    """Entry of ``leank bench``: a bad argument, mask or base model is one line on stderr and exit code 2."""
+    try:
+        return _main(argv, prog)
+    except (MaskError, BaseModelError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None, prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("mask", nargs="?", default=None,
                    help=f"mask folder or Hub id (default: {DEFAULT_MASK} if present, else a random mask)")
-    p.add_argument("--contexts", default="2048,4096,8192", help="comma-separated prompt lengths")
-    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (>= 3)")
+    p.add_argument("--contexts", type=positive_int_list, default=[2048, 4096, 8192],
+                   help="comma-separated prompt lengths")
+    p.add_argument("--batches", type=positive_int_list, default=[1, 4], help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per run (>= 3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (LeanK then decodes with the Triton kernel)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per configuration, dense and LeanK alternating; the best is kept")
     p.add_argument("--estimate", metavar="MODEL_ID", default=None,
                    help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
     p.add_argument("--plot", type=Path, default=None, help="also draw decode time vs context to this PNG")
     p.add_argument("--card", action="store_true",
                    help="with --plot and a mask folder: put the figure (and this command) in the mask's model card")
-    p.add_argument("--ratio", type=float, default=0.7, help="with --estimate: fraction of K channels pruned")
-    p.add_argument("--zero-heads", type=float, default=0.0,
+    p.add_argument("--ratio", type=fraction, default=0.7, help="with --estimate: fraction of K channels pruned")
+    p.add_argument("--zero-heads", type=fraction, default=0.0,
                    help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
+    p.add_argument("--capacity", metavar="GIB[,GIB]", default=None,
+                   help="only print, for the mask and these GPU memory sizes, KV GiB per sequence and the largest "
+                        "batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.capacity)")
+    p.add_argument("--weights-gib", type=float, default=None,
+                   help="with --capacity: GiB of model weights (default: the mask's recorded base-model size)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    if args.capacity:
+        from .capacity import capacity_main
+
+        try:
+            gibs = [float(x) for x in args.capacity.split(",")]
+            command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+            return capacity_main(args.mask or str(DEFAULT_MASK), gibs, args.weights_gib,
+                                 DTYPES[args.dtype or "bfloat16"], command)
+        except ValueError as e:  # MaskError included
+            p.error(f"--capacity: {e}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"argument --device: {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: CUDA is not available on this machine")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     if args.estimate:
         return estimate_main(args.estimate, args.ratio, args.zero_heads, dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    contexts = [int(x) for x in args.contexts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    contexts, batches = args.contexts, args.batches
     new_tokens = max(3, args.new_tokens)
 
     command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -138,6 +177,14 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
         mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
     else:
         model, _ = load_mask_base_model(mask, dtype=dtype)
+    limit = model_positions(model.config)
+    if limit is not None and max(contexts) + new_tokens > limit:
+        print(
+            f"{prog}: error: --contexts {max(contexts):,} + {new_tokens} new tokens exceeds the model's {limit:,} "
+            f"positions (max_position_embeddings); use contexts up to {limit - new_tokens:,}",
+            file=sys.stderr,
+        )
+        return 2
     model.to(device)
     stats = mask.stats(dtype=dtype)
     print(
@@ -163,16 +210,15 @@ def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
             dense = leank = None
             peaks = {}
             for _ in range(max(1, args.repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
-                model.set_attn_implementation("sdpa")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 dense_cache = DynamicCache(config=model.config)
-                run = _run(model, ids, dense_cache, new_tokens)
+                with lk.dense():
+                    run = _run(model, ids, dense_cache, new_tokens)
                 peaks["dense"] = _peak(device)
                 dense = run if dense is None or run["step_ms"] < dense["step_ms"] else dense
                 dense_bytes = dynamic_cache_bytes(dense_cache)
                 del dense_cache
-                model.set_attn_implementation("leank")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 leank_cache = lk.new_cache()

@@ -32,6 +32,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION, ChannelGroups, decode_masks
 from .mask import ChannelMask, dense_layers_of
 
@@ -56,7 +57,9 @@ class LeanKLayer(CacheLayerMixin):
     """One layer of a :class:`LeanKCache` (see the module docstring for the layout)."""
 
     is_compileable = False
-    is_croppable = False
+    # crop() drops tokens appended since the last compression (what assisted decoding rolls back) and
+    # refuses, with a clear error, any older ones: safe to declare for generate's croppability check
+    is_croppable = True
     is_sliding = False
 
     def __init__(
@@ -354,6 +357,15 @@ class LeanKCache(Cache):
         ]
         super().__init__(layers=layers)
         self.mask = mask
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base update, then the layer offered to the attention function (see :mod:`~leank_infer.layer_handoff`)."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        layer_handoff.offer(keys, layer if isinstance(layer, LeanKLayer) else None)
+        return keys, values
 
     def nbytes(self) -> int:
         """Bytes of K/V the cache really holds, all layers (distinct tensor storages)."""

@@ -49,7 +49,10 @@ Figures from `python -c "from leank_infer import ChannelMask; print(ChannelMask.
 {usage}
 ```
 
-{results}{figures}## Recipe
+{capacity}{results}{figures}{provenance}{recipe}"""
+
+RECIPE_SECTION = """\
+## Recipe
 
 This mask was produced by `leank run` with this recipe:
 
@@ -127,6 +130,64 @@ def learned_on(mask: ChannelMask) -> str:
     return head + "\n".join(parts) + "\n\n"
 
 
+def provenance_section(mask: ChannelMask) -> str:
+    """Where an imported mask comes from, its licence, and what its authors report (never measured here)."""
+    src = (mask.extra or {}).get("provenance")
+    if not isinstance(src, dict):
+        return ""
+    commit = src.get("commit") or ""
+    url = f"{src.get('source')}/blob/{commit}/{src.get('path')}" if commit else f"{src.get('source')}"
+    lines = [
+        "## Provenance and licence",
+        "",
+        f"Not trained by leank. Learned by {src.get('trained_by', 'its authors')} and released at "
+        f"[{src.get('path')}]({url}) (commit `{commit[:12]}`, sha256 `{src.get('sha256')}`), "
+        f"converted unchanged by `{src.get('converted_by', 'leank import')}` into `mask.safetensors` "
+        "(the original file is a PyTorch pickle; leank read it once with PyTorch's weights-only loader).",
+        "",
+        f"Licence of the mask: {src.get('license')}, {src.get('copyright')}; the full text is "
+        f"[`{src.get('license_file', 'LICENSE')}`]({src.get('license_file', 'LICENSE')}) in this folder and must "
+        "travel with every copy. The base model has its own licence.",
+        "",
+        f"Decode sizes are the reference's defaults: sink {mask.sink_size}, recent {mask.recent_size}, "
+        f"accumulation {mask.accumu_size}; ratio {mask.ratio} and align {mask.align} are derived from the mask itself.",
+        "",
+    ]
+    s = mask.stats()
+    lines += [
+        f"Checked against the paper: this mask removes {1 - s['k_kept_fraction']:.1%} of the K channels and the V of "
+        f"{s['zero_heads']} of {s['total_heads']} KV heads ({1 - s['v_kept_fraction']:.1%} of V) for middle tokens; "
+        "the authors report about 70% of K and 16%-18% of V removed.",
+        "",
+    ]
+    lines += [f"Note: {n}\n" for n in src.get("notes") or []]
+    reported = src.get("reported") or []
+    if reported:
+        lines += ["## Reported by the authors (not measured here)", "",
+                  "Quoted from the authors' paper and repository; leank has not reproduced these numbers:", ""]
+        lines += [f"- {r}" for r in reported] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def capacity_section(mask: ChannelMask, repo: str, gpu_gib: float = 80.0) -> str:
+    """Largest batch on one GPU, dense vs LeanK, when the folder records its base model's size."""
+    import torch
+
+    from .capacity import ASSUMPTION, base_parameters, capacity_table
+
+    n = base_parameters(mask)
+    if n is None:
+        return ""
+    weights = n * 2
+    return (
+        f"## Capacity on one {gpu_gib:g} GiB GPU (bf16)\n\n"
+        f"`leank bench {repo} --capacity {gpu_gib:g}` (base model {n / 1e9:.2f} B parameters, "
+        f"{weights / 1024**3:.2f} GiB of bf16 weights):\n\n"
+        f"{capacity_table(mask, gpu_gib, weights, torch.bfloat16)}\n\n"
+        f"Assumption: {ASSUMPTION}.\n\n"
+    )
+
+
 def results_table(eval_results: list[dict[str, Any]]) -> str:
     """A markdown table: one row per metric, one column per dataset (e.g. methods x context lengths)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in eval_results))
@@ -176,7 +237,8 @@ def build_card(
         library_name="leank",
         tags=tags,
         pipeline_tag="text-generation",
-        license=KNOWN_LICENSES.get(mask.base_model or ""),
+        license=((mask.extra or {}).get("provenance") or {}).get("license", "").lower()
+        or KNOWN_LICENSES.get(mask.base_model or ""),
         model_name=f"leank-{(mask.base_model or 'model').split('/')[-1].lower()}",
         eval_results=model_index,
     )
@@ -201,7 +263,11 @@ def build_card(
         usage=USAGE.format(repo=repo),
         results=results_md,
         figures="".join(f"![{name}]({name})\n\nDrawn by `{cmd}`\n\n" for name, cmd in (figures or {}).items()),
-        recipe=(mask.recipe or "# (no recipe recorded)").rstrip(),
+        capacity=capacity_section(mask, repo),
+        provenance=provenance_section(mask),
+        recipe=RECIPE_SECTION.format(recipe=(mask.recipe or "# (no recipe recorded)").rstrip())
+        if mask.recipe or not provenance_section(mask)
+        else "",
     )
     return ModelCard(text)
 

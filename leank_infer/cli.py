@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("leank_infer.generate_cli", "main", "answer a prompt dense vs LeanK, with KV bytes of each"),
     "push": ("leank_infer.hub_cli", "push_main", "upload a mask repo folder to the Hub in one commit"),
     "pull": ("leank_infer.hub_cli", "pull_main", "download a mask repo (revision pinning, Hub cache)"),
+    "import": ("leank_infer.reference_import", "main", "convert a mask released with the reference code (.pth)"),
 }
 
 

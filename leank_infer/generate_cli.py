@@ -1,12 +1,13 @@
 """``leank generate MASK --prompt ...``: one prompt answered dense and with LeanK, side by side.
 
-Both runs use the same loaded model: without a LeanK cache the ``"leank"`` attention is plain
-SDPA, so the dense answer comes from transformers' own DynamicCache path.
+Both runs use the same loaded model: the dense one inside ``LeanKModel.dense()`` (the model's own
+attention), so the dense answer comes from transformers' own DynamicCache path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import textwrap
 import time
@@ -14,18 +15,20 @@ from collections.abc import Sequence
 
 import torch
 
+from .cli_types import positive_int, utf8_text
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leank generate", description=__doc__.split("\n")[0])
     p.add_argument("mask", help="mask folder (e.g. hub/smollm2-135m-instruct) or Hub repo id")
-    p.add_argument("--prompt", required=True, help="the text to answer")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, type=utf8_text, help="the text to answer")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--revision", default=None, help="mask repo revision (Hub)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--width", type=int, default=100, help="total width of the side-by-side output")
+    p.add_argument("--width", type=positive_int, default=100, help="total width of the side-by-side output")
     return p
 
 
@@ -52,14 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.prompt.strip():
         print("leank generate: error: --prompt is empty; give the text to answer", file=sys.stderr)
         return 2
-    if args.max_new_tokens < 1:
-        print("leank generate: error: --max-new-tokens must be at least 1", file=sys.stderr)
-        return 2
     from transformers import DynamicCache
 
     from .cache import dynamic_cache_bytes
+    from .generation import CACHE_KWARG
     from .loading import BaseModelError
-    from .mask import MaskError
+    from .mask import MaskError, model_positions
     from .model import LeanKModel
 
     try:
@@ -78,8 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(args.prompt, return_tensors="pt")
-    enc = {k: v.to(lk.device) for k, v in enc.items()}
     n = enc["input_ids"].shape[1]
+    limit = model_positions(lk.model.config)
+    if limit is not None and n + args.max_new_tokens > limit:
+        print(
+            f"leank generate: error: the prompt is {n:,} tokens; with --max-new-tokens {args.max_new_tokens} that "
+            f"exceeds the model's {limit:,} positions (max_position_embeddings): shorten the prompt",
+            file=sys.stderr,
+        )
+        return 2
+    enc = {k: v.to(lk.device) for k, v in enc.items()}
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         gen["pad_token_id"] = tok.eos_token_id
@@ -87,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for name, cache in (("dense", DynamicCache(config=lk.model.config)), ("LeanK", lk.new_cache())):
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = lk.model.generate(**enc, cache=cache, **gen)
+        with torch.inference_mode(), lk.dense() if name == "dense" else contextlib.nullcontext():
+            out = lk.model.generate(**enc, **{CACHE_KWARG: cache}, **gen)
         secs = time.perf_counter() - t0
         nbytes = cache.nbytes() if name == "LeanK" else dynamic_cache_bytes(cache)
         answer = tok.decode(out[0, n:], skip_special_tokens=True).strip()

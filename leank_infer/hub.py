@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .hub_names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
 from .mask import CONFIG_FILE, MASK_FILE, MaskError
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from .mask import ChannelMask
 
 # What is ever downloaded from (or uploaded to) a mask repo: safe formats, the card and the plot.
-ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png"]
+# LICENSE: an imported mask (leank import) carries its licence text, which must travel with every copy.
+ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png", "LICENSE"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -50,12 +52,26 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     ``huggingface_hub.snapshot_download`` (``endpoint``, ``token``, ``cache_dir``, ``force_download``...).
     Only :data:`ALLOW_PATTERNS` are fetched: pickle files in a repo are never downloaded.
     """
-    local = Path(path_or_repo)
-    if local.is_dir():
-        return local
     repo_id = str(path_or_repo)
-    if local.exists() or repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
-        raise MaskError(f"mask path {repo_id!r} is not a folder and not a Hub repo id (owner/name)")
+    if revision is not None and revision_problem(revision):
+        raise MaskError(f"{revision_problem(revision)}; give a branch, a tag or a full commit id")
+    if not repo_id.strip():
+        raise MaskError("the mask path is empty: give a mask folder or a Hub repo id (owner/name)")
+    if len(repo_id) > MAX_LOCAL_PATH:
+        raise MaskError(f"mask path of {len(repo_id):,} characters is neither a folder nor a Hub repo id")
+    local = Path(path_or_repo)
+    try:
+        if local.is_dir():
+            return local
+        exists = local.exists()
+        why = "it is not a folder" if exists else "no such folder"
+    except OSError as e:  # a name too long for the file system, ...
+        exists, why = True, e.strerror
+    if exists or repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
+        raise MaskError(f"mask path {repo_id[:200]!r} is not a folder and not a Hub repo id (owner/name): {why}")
+    problem = repo_id_problem(repo_id)
+    if problem:
+        raise MaskError(f"{repo_id[:200]!r} is neither a local folder nor a valid Hub repo id: {problem[:300]}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         FileMetadataError,
@@ -156,6 +172,15 @@ def _write_card(folder: Path, repo_id: str) -> None:
     write_model_card(folder, repo=repo_id)
 
 
+def check_push_target(repo_id: str, revision: str | None = None) -> None:
+    """Raise MaskError unless ``repo_id`` and ``revision`` are valid names and the Hub may be reached (not offline)."""
+    problem = repo_id_problem(repo_id) or (revision_problem(revision) if revision is not None else None)
+    if problem:
+        raise MaskError(f"cannot push to {repo_id[:200]!r}: {problem[:300]}")
+    if is_offline():
+        raise MaskError("cannot push while offline mode is on (HF_HUB_OFFLINE=1): unset it to upload")
+
+
 def push_mask(
     mask: ChannelMask,
     repo_id: str,
@@ -181,6 +206,7 @@ def push_mask(
 
     from .mask import ChannelMask
 
+    check_push_target(repo_id, revision)
     api = HfApi(endpoint=endpoint, token=token)
     message = commit_message or f"Upload LeanK mask for {mask.base_model or 'its base model'}"
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,11 +23,12 @@ def push_main(argv: Sequence[str]) -> int:
     p.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
     p.add_argument("--commit-message", default=None)
     args = p.parse_args(argv)
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-    from .hub import push_mask
+    from .hub import check_push_target, push_mask
 
     try:
+        check_push_target(args.repo_id, args.revision)
         mask = ChannelMask.from_dir(args.folder)  # refuse to push something that does not load
         for name in ("README.md", "pattern.png"):
             if not (Path(args.folder) / name).is_file():
@@ -44,9 +45,10 @@ def push_main(argv: Sequence[str]) -> int:
             commit_message=args.commit_message,
             folder=args.folder,
         )
-    except (MaskError, HfHubHTTPError) as e:
-        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        raise SystemExit(f"leank push: {args.repo_id} (revision {args.revision or 'main'}): {text}") from None
+    except (MaskError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, OSError) as e:
+        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
+        print(f"leank push: error: {args.repo_id[:200]} (revision {args.revision or 'main'}): {text}", file=sys.stderr)
+        return 2
     print(info)
     return 0
 
@@ -65,7 +67,8 @@ def pull_main(argv: Sequence[str]) -> int:
         folder = resolve_mask_dir(args.repo_id, revision=args.revision, **kwargs)
         mask = ChannelMask.from_dir(folder)
     except MaskError as e:
-        raise SystemExit(f"leank pull: {e}") from None
+        print(f"leank pull: error: {e}", file=sys.stderr)
+        return 2
     print(folder)
     print(mask)
     return 0

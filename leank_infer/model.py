@@ -1,8 +1,11 @@
 """``LeanKModel``: a transformers causal LM that decodes with a LeanK-pruned K cache.
 
-The model itself is untouched but for its attention implementation, set to ``"leank"``: that
-function is plain SDPA unless a :class:`~leank_infer.cache.LeanKCache` is in use, so dense
-``model.generate`` / forward calls on the same object still work and give the dense result.
+The model itself is untouched but for its attention implementation, set to ``"leank"``, and the
+cache its ``generate`` builds (a :class:`~leank_infer.cache.LeanKCache`, see
+:mod:`leank_infer.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
+decode with LeanK as ``LeanKModel.generate`` does. A forward without a cache (a loss, a prefill) is
+dense, as LeanK's prefill is; decoding over any other cache is an error, never silently dense.
+Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import attention as _attention
+from . import generation as _generation
 from .cache import LeanKCache
 from .loading import load_mask_base_model
 from .mask import ChannelMask, MaskError
@@ -58,11 +61,7 @@ class LeanKModel:
         self.model = model
         self.mask = mask
         self.tokenizer = tokenizer
-        _attention.register()
-        try:
-            model.set_attn_implementation(_attention.ATTN_IMPLEMENTATION)
-        except (AttributeError, ValueError):
-            model.config._attn_implementation = _attention.ATTN_IMPLEMENTATION
+        _generation.install(model, mask)
 
     @classmethod
     def from_pretrained(
@@ -113,18 +112,26 @@ class LeanKModel:
         return LeanKCache(self.mask, config=self.model.config)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.generate`` with a fresh LeanK cache unless one is passed (``cache=``/``past_key_values=``)."""
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-            kwargs.pop("past_key_values", None)
-            kwargs["cache"] = self.new_cache()
+        """``model.generate``: a fresh LeanK cache unless one is passed (as ``cache=`` or ``past_key_values=``,
+        either name on any supported transformers)."""
+        kwargs = _generation.cache_kwargs(kwargs)
+        if kwargs.get(_generation.CACHE_KWARG) is None and _generation.installed_mask(self.model) is not self.mask:
+            # another LeanKModel wrapped the same model with its mask since: decode with this one's
+            kwargs[_generation.CACHE_KWARG] = self.new_cache()
         return self.model.generate(*args, **kwargs)
+
+    def dense(self) -> Any:
+        """Context manager: the model's own dense attention and caches within (a reference on the same weights),
+        e.g. ``with m.dense(): m.model.generate(...)``; LeanK again on exit."""
+        return _generation.dense_decoding(self.model)
 
     def kv_cache_bytes(self, cache: LeanKCache) -> int:
         """Bytes of K/V the cache holds right now (its real tensor storage)."""
         return cache.nbytes()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model(*args, **kwargs)
+        """The model's forward (a cache as ``cache=`` or ``past_key_values=``, either name)."""
+        return self.model(*args, **_generation.cache_kwargs(kwargs))
 
     forward = __call__
 

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
 from typing import Any
 
 import yaml
@@ -72,6 +73,35 @@ class LeanKCLI(LightningCLI):
                     break
 
 
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """A recipe file's YAML mapping; a missing, binary, huge or non-mapping file is one RecipeError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise RecipeError(f"recipe {str(path)!r}: no such file")
+    if not path.is_file():
+        raise RecipeError(f"recipe {str(path)!r} is not a regular file")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe {path} is {path.stat().st_size:,} bytes; a recipe is a YAML file of at most 1 MiB")
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {path} is not UTF-8 text (a binary file?); give a YAML recipe") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {path} nests too deeply") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            f"recipe {path} holds a YAML {type(data).__name__}; a recipe is a mapping (trainer:, model:, stage1:, ...)"
+        )
+    return data
+
+
 def expand_stage(argv: Sequence[str]) -> list[str]:
     """Replace ``--stage N`` by ``--config <the stageN section of the earlier --config files>``."""
     out: list[str] = []
@@ -89,13 +119,13 @@ def expand_stage(argv: Sequence[str]) -> list[str]:
             if name == "--stage":
                 section: dict[str, Any] | None = None
                 for cfg in configs:
-                    data = yaml.safe_load(Path(cfg).read_text()) or {}
-                    section = data.get(f"stage{value}", section)
+                    section = read_recipe(cfg).get(f"stage{value}", section)
                 if section is None:
                     raise SystemExit(f"--stage {value}: no 'stage{value}:' section in {configs or 'any --config'}")
                 out += ["--config", yaml.safe_dump(section, sort_keys=False)]
             else:
-                if Path(value).is_file():
+                if Path(value).exists() or value.endswith((".yaml", ".yml", ".json")):  # a file, not inline YAML
+                    read_recipe(value)  # a missing, binary or non-mapping recipe is refused here, clearly
                     configs.append(value)
                 out += ["--config", value]
             continue
@@ -139,6 +169,15 @@ def one_line_errors(prog: str) -> Iterator[None]:
         yield
     except (RecipeError, MaskError, BaseModelError, NonFiniteError, MisconfigurationException) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except UnpicklingError as e:  # torch refused a checkpoint (weights-only loading)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"{prog}: error: a checkpoint holds more than tensors and plain data and was not loaded "
+            f"(torch refuses to unpickle it: {first}); delete it to start the stage afresh",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(2) from None
 
 

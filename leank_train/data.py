@@ -239,7 +239,7 @@ def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[st
     from leank_infer.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
-    kwargs = dict(extra)
+    kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
     if revision is not None and not Path(source).is_dir():
         kwargs["revision"] = revision
     return AutoTokenizer.from_pretrained(source, **kwargs)
@@ -252,7 +252,7 @@ def model_max_positions(base_model: str, revision: str | None = None, loader: di
     from leank_infer.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
-    kwargs = dict(extra)
+    kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
     if revision is not None and not Path(source).is_dir():
         kwargs["revision"] = revision
     config = AutoConfig.from_pretrained(source, **kwargs)

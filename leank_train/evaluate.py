@@ -15,6 +15,7 @@ The loop is a Lightning ``Trainer.test`` (its progress bar, its logging), metric
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import random
@@ -31,6 +32,10 @@ from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
 from leank_infer.card import write_model_card
+from leank_infer.cli_types import positive_int
+from leank_infer.generation import CACHE_KWARG
+
+from .errors import RecipeError
 
 KINDS = ("passkey", "multikey", "multivalue")
 METHODS = ("full", "leank", "random", "think")
@@ -238,7 +243,8 @@ class RetrievalEval(L.LightningModule):
         lm = self.lm
         gen = {"max_new_tokens": self.max_new_tokens, "do_sample": False}
         if method == "full":
-            out = lm.model.generate(**inputs, **gen)
+            with lm.dense():
+                out = lm.model.generate(**inputs, **gen)
         elif method == "leank":
             out = lm.generate(**inputs, **gen)
         else:
@@ -288,10 +294,12 @@ def next_token_kl(lm: Any, sentences: list[str], context: int = 1024, steps: int
         caches = {"full": DynamicCache(config=model.config), "leank": lm.new_cache()}
         logp = {}
         for name, cache in caches.items():
-            out = model(input_ids=seq[:, :context], cache=cache, use_cache=True)
-            rows = [out.logits[:, -1]]
-            for t in range(context, context + steps - 1):
-                rows.append(model(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            with lm.dense() if name == "full" else contextlib.nullcontext():
+                out = model(input_ids=seq[:, :context], **{CACHE_KWARG: cache}, use_cache=True)
+                rows = [out.logits[:, -1]]
+                for t in range(context, context + steps - 1):
+                    step = model(input_ids=seq[:, t:t + 1], **{CACHE_KWARG: cache}, use_cache=True)
+                    rows.append(step.logits[:, -1])
             logp[name] = torch.log_softmax(torch.cat(rows).float(), -1)
         kls.append((logp["full"].exp() * (logp["full"] - logp["leank"])).sum(-1).mean())
     return float(torch.stack(kls).mean()) if kls else float("nan")
@@ -380,8 +388,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("mask", nargs="+",
                    help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
     p.add_argument("--revision", default=None)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--samples", type=int, default=6, help="probes per length (kinds alternate)")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048])
+    p.add_argument("--samples", type=positive_int, default=6, help="probes per length (kinds alternate)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seed", type=int, default=1234)
@@ -392,11 +400,24 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--card", action="store_true",
                    help="rewrite the mask folder's model card with these results (and the plot, if drawn)")
     args = p.parse_args(argv)
+    from .cli import one_line_errors
+
+    with one_line_errors("leank eval"):
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from leank_infer import LeanKModel
+    from leank_infer.mask import model_positions
     from leank_infer.plots import plot_accuracy, plot_ratio_sweep
 
     cmd = "leank eval " + " ".join(argv)
     lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    limit = model_positions(lm.model.config)
+    new = inspect.signature(evaluate).parameters["max_new_tokens"].default
+    if limit is not None and max(args.lengths) + new > limit:
+        raise RecipeError(f"--lengths {max(args.lengths):,} + {new} new tokens exceeds the model's {limit:,} "
+                          f"positions (max_position_embeddings); use lengths up to {limit - new:,}")
     if len(args.mask) > 1:
         masks = [(args.mask[0], lm.mask)]
         for path in args.mask[1:]:

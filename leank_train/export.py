@@ -1,15 +1,14 @@
 """Export the learned mask as a mask repo folder (what ``hub/<model>/`` holds and the Hub receives).
 
-The folder is written next to its target under a temporary name and renamed into place, so a
-reader never sees half a mask repo; an older folder at the target is replaced only once the new
-one is complete, model card and pattern plot (``leank_infer.card``) included.
+The folder is written next to its target under a temporary name and swapped into place
+(:func:`leank_infer.mask.write_mask_folder`), so a reader never sees half a mask repo; an older
+mask repo at the target is replaced only once the new one is complete, model card and pattern
+plot (``leank_infer.card``) included, and nothing but an empty folder or a mask repo is replaced.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,34 +16,21 @@ import lightning as L
 
 from leank_infer.card import write_model_card
 from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
-from leank_infer.mask import ChannelMask
+from leank_infer.mask import ChannelMask, check_mask_target, write_mask_folder
 
 
 def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: dict | None = None) -> Path:
-    """Write ``mask``, its model card and pattern plot to ``folder`` atomically; returns the folder."""
-    target = Path(folder)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        mask.save_pretrained(tmp)
+    """Write ``mask``, its model card and pattern plot to ``folder`` as a whole; returns the folder.
+
+    ``folder`` may be new, empty or an older mask repo; anything else (a folder with other files,
+    a file, a link, ``/``) is refused with a MaskError before anything is written.
+    """
+
+    def fill(tmp: Path) -> None:
+        mask.write_files(tmp)
         write_model_card(tmp, eval_results, repo=str(folder))
-        # mkdtemp/mkstemp create private (0700/0600) entries: give the repo ordinary permissions
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return write_mask_folder(folder, fill)
 
 
 class ExportMask(L.Callback):
@@ -85,6 +71,11 @@ class ExportMask(L.Callback):
         except OSError:
             pass
         return self.recipe
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse an export folder that may not be replaced before training, not after it."""
+        if self.dirpath is not None and trainer.is_global_zero:
+            check_mask_target(self.dirpath)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.dirpath is None or not trainer.is_global_zero:

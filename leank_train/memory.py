@@ -53,7 +53,7 @@ def load_config(model: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except OSError:
         if model not in KNOWN_CONFIGS:
             raise

@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
 from typing import Any
 
 import yaml
@@ -32,7 +33,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
-from .cli import one_line_errors, run_cli
+from .cli import one_line_errors, read_recipe, run_cli
+from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
 
@@ -137,7 +139,14 @@ def run_stage(recipe: str, stage: int, overrides: Sequence[str]) -> tuple[str, d
         print(f"[leank run] stage {stage} resumes from {last[-1]}", flush=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
-        cli = run_cli(["fit", *args, "--checkpoint.dirpath", str(ckpt_dir), "--ckpt_path", "last"])
+        try:
+            cli = run_cli(["fit", *args, "--checkpoint.dirpath", str(ckpt_dir), "--ckpt_path", "last"])
+        except UnpicklingError as e:  # torch refused it (weights-only loading): never unpickle more
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RecipeError(
+                f"checkpoint {last[-1] if last else ckpt_dir} holds more than tensors and plain data, so it was not "
+                f"loaded ({first}); delete it to run stage {stage} afresh"
+            ) from None
     out = _export_dir(cli)
     if cli.trainer.is_global_zero:
         _write_json(finished, {"export": export_dir, "fingerprint": fingerprint,
@@ -164,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     with one_line_errors("leank run"):
+        read_recipe(args[0])  # a missing, binary or non-mapping recipe: one clear error before anything runs
         return _run(args[0], split_overrides(args[1:]))
 
 

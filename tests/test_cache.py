@@ -11,6 +11,7 @@ from transformers.masking_utils import sdpa_mask
 
 from leank_infer.attention import ChannelGroups, leank_attention_forward
 from leank_infer.cache import LeanKCache, LeanKLayer
+from leank_infer.generation import CACHE_KWARG
 from leank_infer.mask import ChannelMask
 from leank_infer.masked_attention import leank_attention
 
@@ -227,9 +228,9 @@ def test_cache_refuses_other_attention_implementations(family):
     cache = LeanKCache(mask, config=model.config)
     ids = torch.randint(3, 128, (1, 12))
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **{CACHE_KWARG: cache})
         with pytest.raises(RuntimeError, match="attn_implementation='leank'"):
-            model(ids[:, :1], cache=cache)
+            model(ids[:, :1], **{CACHE_KWARG: cache})
 
 
 def test_row_starts_fall_back_to_position_ids():

@@ -6,6 +6,7 @@ Hub cache; connections anywhere else are refused, so nothing here can reach the 
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -190,14 +191,14 @@ def test_cli_push_pull_round_trip(hub: FakeHub, folder: Path, capsys: pytest.Cap
     assert out.startswith(str(cache)) and "ChannelMask(layers=3" in out
     assert_same(ChannelMask.from_dir(out.splitlines()[0]), make_mask(1))
 
-    with pytest.raises(SystemExit, match=r"leank pull: .*'tester/missing' at revision 'v9'"):
-        leank(["pull", "tester/missing", "--revision", "v9"])
+    assert leank(["pull", "tester/missing", "--revision", "v9"]) == 2
+    assert re.search(r"leank pull: error: .*'tester/missing' at revision 'v9'", capsys.readouterr().err)
 
 
 def test_cli_push_refuses_a_broken_folder(hub: FakeHub, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (folder / MASK_FILE).unlink()
-    with pytest.raises(SystemExit, match=f"leank push: {REPO} \\(revision main\\): mask.safetensors is missing"):
-        leank(["push", str(folder), REPO])
+    assert leank(["push", str(folder), REPO]) == 2
+    assert f"leank push: error: {REPO} (revision main): mask.safetensors is missing" in capsys.readouterr().err
     assert REPO not in hub.repos
     (folder / "README.md").unlink()
     make_mask(5).save_pretrained(folder)
@@ -207,12 +208,13 @@ def test_cli_push_refuses_a_broken_folder(hub: FakeHub, folder: Path, capsys: py
     assert titles("main") == ["initial commit"]
 
 
-def test_cli_push_hub_errors_are_one_line(hub: FakeHub, folder: Path) -> None:
+def test_cli_push_hub_errors_are_one_line(hub: FakeHub, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_mask(1).push_to_hub(REPO)
     api().create_tag(REPO, tag="v1")
-    with pytest.raises(SystemExit, match=rf"leank push: {REPO} \(revision v1\): .*Revision Not Found") as err:
-        leank(["push", str(folder), REPO, "--revision", "v1"])  # a tag is not a branch
-    assert "\n" not in str(err.value)
+    assert leank(["push", str(folder), REPO, "--revision", "v1"]) == 2  # a tag is not a branch
+    err = capsys.readouterr().err
+    assert re.search(rf"leank push: error: {REPO} \(revision v1\): .*Revision Not Found", err)
+    assert err.count("\n") == 1
 
 
 def test_push_without_matplotlib_writes_the_card_alone(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,7 +229,9 @@ def test_push_without_matplotlib_writes_the_card_alone(hub: FakeHub, monkeypatch
 
 
 # ---- offline mode and an unreachable Hub -------------------------------------------------------------
-def test_offline_uses_the_populated_cache(hub: FakeHub, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_uses_the_populated_cache(
+    hub: FakeHub, folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     mask = ChannelMask.from_dir(folder)
     info = mask.push_to_hub(REPO, folder=folder)
     api().create_tag(REPO, tag="v1")
@@ -245,8 +249,9 @@ def test_offline_uses_the_populated_cache(hub: FakeHub, folder: Path, monkeypatc
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", hub_cache() + "-empty")
     with pytest.raises(MaskError, match=r"'tester/leank-smollm2' at revision 'main' is not .*HF_HUB_OFFLINE=1"):
         ChannelMask.from_pretrained(REPO)
-    with pytest.raises(SystemExit, match="leank pull: .*offline mode"):
-        leank(["pull", REPO])
+    capsys.readouterr()
+    assert leank(["pull", REPO]) == 2
+    assert re.search("leank pull: error: .*offline mode", capsys.readouterr().err)
 
 
 def test_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, folder: Path) -> None:

@@ -13,6 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from leank_infer import ChannelMask, LeanKModel, MaskError
 from leank_infer.cache import LeanKCache, dynamic_cache_bytes
+from leank_infer.generation import CACHE_KWARG, cache_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +40,9 @@ def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 
 
 def hf_generate(model, ids, **kw) -> torch.Tensor:
+    """transformers' generate (a cache under either name); dense unless the model was wrapped by LeanK."""
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(kw))
 
 
 def tiny_repo(tmp_path: Path, family: str = "llama", mask: ChannelMask | None = None) -> tuple[Path, object]:
@@ -119,7 +121,8 @@ def test_sampling_chunked_prefill_and_beams_equal_hf():
         dict(do_sample=False, num_beams=2),
     ):
         torch.manual_seed(0)
-        want = hf_generate(model, ids, max_new_tokens=12, **kw)
+        with lk.dense():
+            want = hf_generate(model, ids, max_new_tokens=12, **kw)
         torch.manual_seed(0)
         got = lk.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, **kw)
         assert torch.equal(got, want), kw
@@ -165,7 +168,7 @@ def test_kv_bytes_for_2048_tokens_follow_the_mask_formula():
     cache, dense = lk.new_cache(), DynamicCache(config=model.config)
     with torch.no_grad():
         lk(ids, cache=cache)
-        model(ids, cache=dense)
+        model(ids, **{CACHE_KWARG: dense})
     got = lk.kv_cache_bytes(cache)
     assert got == mask.kv_cache_bytes(2048, 1, torch.float32)
     assert got < dynamic_cache_bytes(dense) == 2048 * mask.kv_bytes_per_token(torch.float32)["dense"]

@@ -12,6 +12,7 @@ def test_leank_infer_imports_no_training_dependency():
     code = (
         "import sys, leank_infer; from leank_infer import ChannelMask, LeanKModel, load_base_model\n"
         "import leank_infer.hub, leank_infer.loading, leank_infer.masked_attention\n"
+        "import leank_infer.reference_import, leank_infer.capacity\n"
         f"bad = [m for m in {TRAIN_DEPS!r} if m in sys.modules]\n"
         "print(bad); sys.exit(1 if bad else 0)"
     )

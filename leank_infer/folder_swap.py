@@ -1,0 +1,131 @@
+"""Replacing a folder as a whole: build a complete new sibling, then swap it in.
+
+A mask repo (mask, config, card, plot) must change as one: a reader never sees one writer's
+``mask.safetensors`` beside another's ``config.json``, a crash never leaves half a folder, and an
+export never deletes what is not its own. So :func:`write_folder` fills a fresh temporary sibling
+folder, then, holding an exclusive lock on the parent folder (``fcntl.flock``: concurrent writers
+take turns), exchanges it with the target in one ``renameat2(RENAME_EXCHANGE)`` where Linux has it
+(else two renames) and removes the old one. What may be replaced is decided up front, before
+anything is written: only a folder the caller recognises as its own kind (a mask repo) or an empty
+one; a file, a symlink, ``/`` or any other folder is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+class FolderError(ValueError):
+    """The target of a folder write cannot be replaced safely; the message says why."""
+
+
+def refusal(target: Path, replaceable: Callable[[Path], bool], kind: str) -> str | None:
+    """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may)."""
+    if target.name in ("", ".", "..") or target.resolve() == Path(target.anchor or "/").resolve():
+        return f"{str(target)!r} is not a folder name leank can write a {kind} to (give a new or {kind} folder)"
+    if target.is_symlink():
+        return f"{target} is a symlink; leank does not replace links (remove it or give another folder)"
+    if target.exists() and not target.is_dir():
+        return f"{target} exists and is not a folder; leank will not replace it with a {kind}"
+    if target.is_dir() and any(target.iterdir()) and not replaceable(target):
+        return (
+            f"{target} is a folder that is not a {kind} (it holds other files); leank replaces only an empty "
+            f"folder or an older {kind}: give a new folder name"
+        )
+    return None
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` itself (no lock file is left behind), released on exit."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where the system or file system cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _ordinary_permissions(folder: Path) -> None:
+    """mkdtemp makes a private (0700) folder: give it and its files the umask's usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
+
+
+def write_folder(
+    target: str | os.PathLike, fill: Callable[[Path], None], replaceable: Callable[[Path], bool], kind: str
+) -> Path:
+    """Make ``target`` a folder holding exactly what ``fill(tmp)`` writes into a fresh folder, in one swap.
+
+    Raises :class:`FolderError` (nothing written) when ``target`` is a file, a symlink, ``/``, or a
+    non-empty folder for which ``replaceable`` is False. If ``fill`` fails, the target is untouched
+    and the temporary folder is removed.
+    """
+    target = Path(target)
+    why = refusal(target, replaceable, kind)
+    if why:
+        raise FolderError(why)
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FolderError(f"cannot make the folder {parent} to hold {target.name}: {e.strerror}") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=parent))
+    try:
+        fill(tmp)
+        _ordinary_permissions(tmp)
+        with _locked(parent):
+            why = refusal(target, replaceable, kind)  # again: it may have changed while we wrote
+            if why:
+                raise FolderError(why)
+            if target.is_dir() and _exchange(tmp, target):
+                pass  # tmp now holds the old folder
+            elif target.is_dir():  # no atomic exchange here: move the old one aside, then in (put back on failure)
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=parent))
+                os.rename(target, old / "x")
+                try:
+                    os.rename(tmp, target)
+                except BaseException:
+                    os.rename(old / "x", target)
+                    os.rmdir(old)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+                return target
+            else:
+                os.rename(tmp, target)
+                return target
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # the old folder
+    return target

@@ -1,0 +1,91 @@
+"""benchmarks/gpu_check.py on the CPU: argument parsing, the no-GPU message, the time budget, and the
+CPU-sized variant of every part (the GPU numbers themselves are measured only on a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("leank_gpu_check", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arguments(gpu_check):
+    a = gpu_check.parse_args([])
+    assert a.parts == ["kernel", "decode", "train", "vllm"] and not a.cpu_small
+    assert a.out == Path("gpu_check.md") and a.budget_s < 480  # the whole run stays under 8 minutes
+    assert gpu_check.parse_args(["--parts", "decode, train"]).parts == ["decode", "train"]
+    for bad in (["--parts", "kernel,warp"], ["--parts", ""], ["--new-tokens", "1"], ["--train-context", "100"]):
+        with pytest.raises(SystemExit) as e:
+            gpu_check.parse_args(bad)
+        assert e.value.code == 2, bad
+    assert gpu_check.DECODE_GPU == [(52, 4096), (8, 32768)]  # the paper's batch 52 x 4k, and 8 x 32k
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_without_a_gpu_it_says_so(gpu_check, tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path / "t.md")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--cpu-small" in err and not (tmp_path / "t.md").exists()
+
+
+def test_time_budget_skips_parts_and_still_writes_the_table(gpu_check, tmp_path, capsys):
+    out = tmp_path / "sub" / "t.md"
+    assert gpu_check.main(["--cpu-small", "--budget-s", "0", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("skipped: time budget") == 4 and "| part | setting | result |" in text
+    assert capsys.readouterr().out.rstrip().endswith(text.rstrip().splitlines()[-1])  # the table is printed last
+
+
+def test_vllm_part_reports_what_is_importable(gpu_check):
+    (row,) = gpu_check.part_vllm()
+    assert row["part"] == "vllm"
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001
+        assert row["result"].startswith("skipped: vllm not importable")
+    else:
+        assert row["result"].startswith("importable")
+
+
+def test_the_full_size_model_is_the_8b_config(gpu_check):
+    """The GPU decode/train parts build Llama-3.1-8B-Instruct's shape (meta device here: no memory)."""
+    cfg = gpu_check.llama_config(small=False)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim) == (32, 4096, 8, 128)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.max_position_embeddings == 131072
+    model = gpu_check.build_model(False, torch.device("meta"), torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    gpu_check.llama_mask(False).validate(model.config)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
+def test_cpu_sized_variant_of_every_part(gpu_check, tmp_path, monkeypatch, capsys):
+    """Every part runs at CPU size; a failing part becomes a FAILED row (exit 1) and the others still report."""
+
+    def broken():
+        raise RuntimeError("plugin exploded")
+
+    monkeypatch.setattr(gpu_check, "part_vllm", broken)
+    out = tmp_path / "t.md"
+    rc = gpu_check.main(["--cpu-small", "--out", str(out), "--new-tokens", "3", "--train-steps", "2"])
+    text = out.read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    assert rc == 1 and "FAILED: RuntimeError: plugin exploded" in rows["vllm"]
+    assert rows["kernel"].rstrip(" |").endswith("ok")  # the kernel check passed on the interpreter
+    decode = [line for line in text.splitlines() if line.startswith("| decode")]
+    assert len(decode) == 2 and all("dense" in d and "LeanK" in d and "speedup" in d for d in decode)
+    assert "s/step" in rows["train"] and "estimate" in rows["train"]
+    assert capsys.readouterr().out.rstrip().endswith(text.rstrip().splitlines()[-1])
