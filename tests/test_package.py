@@ -30,3 +30,15 @@ def test_console_script_help():
 def test_unknown_subcommand_is_an_error():
     r = subprocess.run([sys.executable, "-m", "leank_infer.cli", "frobnicate"], capture_output=True, text=True)
     assert r.returncode != 0 and "unknown command" in r.stderr
+
+
+def test_leank_infer_does_not_import_the_vllm_plugin():
+    """leank_infer.vllm is for vLLM's entry point (or a user) only: the light package never pulls it or vLLM in."""
+    code = (
+        "import sys, leank_infer; from leank_infer import LeanKModel, ChannelMask\n"
+        "import leank_infer.cli, leank_infer.cache, leank_infer.model\n"
+        "bad = [m for m in ('vllm', 'leank_infer.vllm') if m in sys.modules]\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,97 @@
+"""Which leank mask a vLLM engine serves with, read the way vLLM passes plugin settings.
+
+vLLM's place for settings of out-of-tree code is ``additional_config`` (``vllm serve ...
+--additional-config '{"leank_mask": "hub/smollm2-135m-instruct"}'``, or
+``LLM(..., additional_config={"leank_mask": ...})``); it reaches every process with the
+``VllmConfig`` and is part of vLLM's config hash. Keys:
+
+- ``leank_mask``: a mask folder or a Hub repo id (resolved as ``ChannelMask.from_pretrained`` does:
+  safetensors + JSON only, ``HF_HUB_OFFLINE`` honoured),
+- ``leank_mask_revision``: branch, tag or commit of a Hub mask (optional),
+- ``leank_check_base_model``: ``false`` to serve a renamed copy or fine-tune of the mask's base model.
+
+The environment variable ``LEANK_MASK`` names a mask when ``additional_config`` does not (handy
+for scripts that cannot change the engine arguments). Without either, the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ..mask import ChannelMask, MaskError
+
+ENV_MASK = "LEANK_MASK"
+KEY_MASK = "leank_mask"
+KEY_REVISION = "leank_mask_revision"
+KEY_CHECK = "leank_check_base_model"
+_KEYS = (KEY_MASK, KEY_REVISION, KEY_CHECK)
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str | None], ChannelMask] = {}
+
+
+@dataclass(frozen=True)
+class LeanKSettings:
+    """The plugin settings of one engine: the mask reference and how strictly it is checked."""
+
+    mask: str
+    revision: str | None = None
+    check_base_model: bool = True
+
+
+def settings_from(additional_config: Any) -> LeanKSettings | None:
+    """The LeanK settings in vLLM's ``additional_config`` (or ``$LEANK_MASK``); None when LeanK is off."""
+    cfg = additional_config if isinstance(additional_config, dict) else {}
+    unknown = sorted(k for k in cfg if isinstance(k, str) and k.startswith("leank_") and k not in _KEYS)
+    if unknown:
+        raise MaskError(f"unknown LeanK setting(s) {unknown} in additional_config; known: {list(_KEYS)}")
+    mask = cfg.get(KEY_MASK) or os.environ.get(ENV_MASK) or None
+    if mask is None:
+        return None
+    if not isinstance(mask, str):
+        raise MaskError(
+            f"additional_config[{KEY_MASK!r}] must be a folder or Hub repo id (string), got {mask!r}"
+        )
+    revision = cfg.get(KEY_REVISION)
+    if revision is not None and not isinstance(revision, str):
+        raise MaskError(f"additional_config[{KEY_REVISION!r}] must be a string, got {revision!r}")
+    check = cfg.get(KEY_CHECK, True)
+    if not isinstance(check, bool):
+        raise MaskError(f"additional_config[{KEY_CHECK!r}] must be true or false, got {check!r}")
+    return LeanKSettings(mask, revision, check)
+
+
+def _same_model_id(a: str | None, b: str | None) -> bool:
+    from ..model import _same_model_id as same
+
+    return same(a, b)
+
+
+def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str | None = None) -> ChannelMask:
+    """Load the mask once per process and check it fits the served model (else one MaskError).
+
+    The checks are those of ``LeanKModel.from_pretrained`` with ``model=``: shape, sliding-window
+    layers left whole, and the base-model id (a local model folder is not comparable by name: its
+    config's ``_name_or_path`` is used when it names a Hub id).
+    """
+    key = (settings.mask, settings.revision)
+    with _lock:
+        mask = _loaded.get(key)
+        if mask is None:
+            mask = ChannelMask.from_pretrained(settings.mask, revision=settings.revision)
+            _loaded[key] = mask
+    try:
+        mask.validate(hf_config)
+    except MaskError as e:
+        raise MaskError(f"LeanK mask {settings.mask!r}: {e}") from None
+    names = [n for n in (served_name, getattr(hf_config, "_name_or_path", None)) if n]
+    if names and not any(_same_model_id(mask.base_model, n) for n in names):
+        message = f"the LeanK mask {settings.mask!r} was trained for {mask.base_model!r} but vLLM serves {names[0]!r}"
+        if settings.check_base_model:
+            raise MaskError(f'{message} (set additional_config {{"{KEY_CHECK}": false}} to serve it anyway)')
+        warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
+    return mask

@@ -1,0 +1,57 @@
+"""The vLLM plugin's torch-only parts (rule, page layout, settings): run in every environment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leank_infer import MaskError
+from leank_infer.cache import LeanKLayer
+from leank_infer.vllm.layout import PackedLayout
+from leank_infer.vllm.rule import recent_start
+from leank_infer.vllm.settings import ENV_MASK, LeanKSettings, settings_from
+
+
+@pytest.mark.parametrize("prefill", [1, 5, 20, 23, 40])
+def test_recent_start_follows_the_hf_cache(prefill):
+    """The closed form the backend uses gives the HF cache layer's recent start at every decode step."""
+    sink, recent, accumu = 4, 8, 3
+    layer = LeanKLayer(torch.ones(2, 8, dtype=torch.bool), sink, recent, accumu)
+    layer.update(torch.randn(1, 2, prefill, 8), torch.randn(1, 2, prefill, 8))
+    for length in range(prefill, prefill + 30):
+        layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+        assert layer.recent_start == recent_start(prefill, length, recent, accumu), length
+
+
+def test_packed_rows_hold_kept_k_and_v_of_heads_keeping_any():
+    keep = torch.zeros(3, 8, dtype=torch.bool)
+    keep[0, [1, 4]] = True
+    keep[2] = True  # head 1 keeps nothing: no K, no V
+    layout = PackedLayout.from_keep(keep)
+    assert layout.width == 2 + 8 + 2 * 8
+    assert layout.head_has_middle.tolist() == [True, False, True]
+    k, v = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    rows = layout.pack(k, v)
+    assert rows.shape == (5, layout.width)
+    uk, uv = layout.unpack(rows)
+    torch.testing.assert_close(uk, k * keep)
+    torch.testing.assert_close(uv, v * keep.any(-1)[:, None])
+
+
+def test_a_layer_keeping_nothing_still_has_a_page_row():
+    layout = PackedLayout.from_keep(torch.zeros(2, 4, dtype=torch.bool))
+    assert layout.width == 1 and layout.bytes_per_token(torch.float32) == 4
+    assert layout.pack(torch.randn(3, 2, 4), torch.randn(3, 2, 4)).shape == (3, 1)
+    assert not layout.head_has_middle.any()
+
+
+def test_settings_come_from_additional_config_or_the_environment(monkeypatch):
+    monkeypatch.delenv(ENV_MASK, raising=False)
+    assert settings_from({}) is None and settings_from(None) is None
+    assert settings_from({"leank_mask": "org/m", "leank_mask_revision": "v1"}) == LeanKSettings("org/m", "v1")
+    monkeypatch.setenv(ENV_MASK, "hub/x")
+    assert settings_from({}) == LeanKSettings("hub/x")
+    with pytest.raises(MaskError, match="unknown LeanK setting"):
+        settings_from({"leank_mask": "a", "leank_ratio": 0.5})
+    with pytest.raises(MaskError, match="true or false"):
+        settings_from({"leank_mask": "a", "leank_check_base_model": "no"})

@@ -1,0 +1,107 @@
+"""The vLLM tests: skipped unless vLLM imports (they run in the vLLM environment, `make test-vllm`).
+
+They serve the embedded SmolLM2 from the de-quantised copy that the main environment writes to
+``~/.cache/leank`` (``$LEANK_EMBEDDED_DIR`` names it; `make test-vllm` sets it) with vLLM offline,
+and take their reference generations from the main environment (``$LEANK_REF_PYTHON``, default
+``.venv/bin/python``), where ``LeanKModel.generate`` runs on a transformers that vLLM does not allow.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here (make test-vllm runs these tests in .venv-vllm)"
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MASK = str(ROOT / "hub" / "smollm2-135m-instruct")
+# One engine shape for every test: fp32 like the HF reference, 1 GiB of KV, whole-prompt prefill.
+KV_SPACE_GIB = 1
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=4096,
+    max_num_batched_tokens=4096,
+    max_num_seqs=8,
+    enforce_eager=True,
+    enable_prefix_caching=False,
+    enable_chunked_prefill=False,
+)
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_SPACE_GIB))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Keep the engine in this process: tests read its KV capacity and the backend's state directly.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def embedded_dir() -> Path:
+    """The de-quantised embedded model folder (skip when the main environment has not written it)."""
+    named = os.environ.get("LEANK_EMBEDDED_DIR")
+    if named:
+        return Path(named)
+    found = sorted(Path.home().joinpath(".cache", "leank").glob("SmolLM2-135M-Instruct*/model.safetensors"))
+    if not found:
+        pytest.skip("no de-quantised embedded model in ~/.cache/leank (run `make test-vllm`)")
+    return found[-1].parent
+
+
+def reference_tokens(prompts: list[list[int]], max_new_tokens: int, mask: str = MASK) -> list[list[int]]:
+    """``LeanKModel.generate`` greedy tokens, each prompt alone, from the main environment."""
+    python = os.environ.get("LEANK_REF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    if not Path(python).exists():
+        pytest.skip(f"no main environment at {python} for the LeanKModel reference (set LEANK_REF_PYTHON)")
+    job = {"model": str(embedded_dir()), "mask": mask, "prompts": prompts, "max_new_tokens": max_new_tokens}
+    key = json.dumps(job)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [python, str(ROOT / "tests" / "vllm_plugin" / "reference.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    if run.returncode != 0:
+        raise AssertionError(f"reference run failed:\n{run.stderr[-3000:]}")
+    _REFERENCE[key] = json.loads(run.stdout.strip().splitlines()[-1])["tokens"]
+    return _REFERENCE[key]
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}  # one reference run per job and session
+
+
+def plain_kv_tokens(block_size: int = 128) -> int:
+    """Tokens plain vLLM fits in the KV space for the embedded model in fp32 (its own formula, in whole blocks)."""
+    dense = 2 * 30 * 3 * 64 * 4  # K+V, 30 layers, 3 KV heads, head_dim 64, fp32
+    return (KV_SPACE_GIB * 2**30 // (dense * block_size)) * block_size
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return embedded_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def leank_llm(model_dir):
+    """One LeanK engine for the session (vLLM loads are slow on a shared CPU)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, **ENGINE)
+    yield llm
+    del llm
+    gc.collect()

@@ -1,0 +1,30 @@
+"""With a mask that keeps every channel, vLLM + LeanK generates what plain vLLM generates."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from .conftest import ENGINE
+from .test_vllm_plugin import LENGTHS, generate, prompts  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def test_all_ones_mask_equals_plain_vllm(model_dir, prompts, tmp_path):  # noqa: F811
+    from vllm import LLM
+
+    from leank_infer import ChannelMask
+
+    ChannelMask.full(30, 3, 64, base_model="HuggingFaceTB/SmolLM2-135M-Instruct").save_pretrained(
+        tmp_path / "ones"
+    )
+    plain = LLM(model=str(model_dir), **ENGINE)
+    want = generate(plain, prompts)
+    del plain
+    gc.collect()
+    ones = LLM(model=str(model_dir), additional_config={"leank_mask": str(tmp_path / "ones")}, **ENGINE)
+    got = generate(ones, prompts)
+    assert len(got) == len(LENGTHS)
+    assert got == want
