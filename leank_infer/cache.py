@@ -37,7 +37,7 @@ from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
 from .mask import ChannelMask, dense_layers_of
-from .rule import decode_recent_from
+from .rule import decode_recent_from, prefill_recent_from
 
 MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
 
@@ -252,7 +252,7 @@ class LeanKLayer(CacheLayerMixin):
         self.padded = max_start > 0
         self.head_target = max_start + self.sink_size
         h = min(t, self.head_target)
-        self.recent_start = max(0, t - self.recent_size)
+        self.recent_start = prefill_recent_from(t, self.recent_size)
         m = max(h, self.recent_start)
         cap = max(h + (t - m), self.head_target + self.recent_size) + self.accumu_size + 1
         self._full_k = k.new_empty(b, hkv, cap, d)

@@ -57,13 +57,24 @@ def training_recent_from(query_pos: torch.Tensor, recent_size: int) -> torch.Ten
     return query_pos - recent_size
 
 
+def prefill_recent_from(prefill_len: int, recent_size: int) -> int:
+    """After a prefill of ``prefill_len`` tokens, the full recent part starts here (LEANK.md)."""
+    return max(0, prefill_len - recent_size)
+
+
 def decode_recent_from(recent_from: int, length: int, recent_size: int, accumu_size: int) -> int:
     """The decode schedule: before new tokens join a cache of ``length`` tokens, its full recent part
     ``[recent_from, length)`` gives up its oldest ``accumu_size`` tokens (to the middle) while it holds
-    more than ``recent_size + accumu_size``. Returns the new ``recent_from``."""
-    while length - recent_from > recent_size + accumu_size:
-        recent_from += accumu_size
-    return recent_from
+    more than ``recent_size + accumu_size``. Returns the new ``recent_from`` (closed form of that loop)."""
+    excess = length - recent_from - (recent_size + accumu_size)
+    return recent_from + (-(-excess // accumu_size) * accumu_size if excess > 0 else 0)
+
+
+def recent_from(prefill_len: int, length: int, recent_size: int, accumu_size: int) -> int:
+    """Where the full recent part begins before a token joins a cache of ``length`` tokens that a prefill
+    of ``prefill_len`` tokens started: the whole schedule from its two ends, no history needed (vLLM's
+    backend keeps none). Keys in ``[sink, recent_from)`` are middle keys."""
+    return decode_recent_from(prefill_recent_from(prefill_len, recent_size), length, recent_size, accumu_size)
 
 
 def default_scale(head_dim: int, scaling: float | None = None) -> float:

@@ -30,9 +30,15 @@ def test_score_answer_on_answers_known_right_and_wrong():
     assert score_answer("12345 and 67890", ["12345", "67890", "13579"]) == 0.0  # every value is needed
 
 
-def _decode(model, mask, tokenizer, inputs, n):
-    out = (model if mask is None else LeanKModel(model, mask, tokenizer)).generate(
-        **inputs, max_new_tokens=n, do_sample=False)
+def _decode(lm, mask, inputs, n):
+    """Greedy answer of the model itself (``mask`` None: dense on purpose) or of ``mask``."""
+    gen = dict(max_new_tokens=n, do_sample=False)
+    if mask is None:
+        with lm.dense():
+            out = lm.model.generate(**inputs, **gen)
+    else:
+        out = LeanKModel(lm.model, mask, lm.tokenizer).generate(**inputs, **gen)
+    tokenizer = lm.tokenizer
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -47,7 +53,7 @@ def test_each_method_decodes_with_its_own_mask(tmp_path):
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     rnd = random_mask_like(lm.mask, seed=7)
     own = {"full": None, "leank": lm.mask, "random": rnd, "think": think_mask(lm.model, ids, lm.mask)}
-    want = {m: _decode(lm.model, mask, lm.tokenizer, inputs, 16) for m, mask in own.items()}
+    want = {m: _decode(lm, mask, inputs, 16) for m, mask in own.items()}
     assert len(set(want.values())) == 4, want  # the test can tell the methods apart
     for method in own:
         assert answer_with(lm, method, dict(inputs), 16, random_mask=rnd) == want[method], method

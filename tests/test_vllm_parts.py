@@ -7,20 +7,20 @@ import torch
 
 from leank_infer import MaskError
 from leank_infer.cache import LeanKLayer
+from leank_infer.rule import recent_from
 from leank_infer.vllm.layout import PackedLayout
-from leank_infer.vllm.rule import recent_start
 from leank_infer.vllm.settings import ENV_MASK, LeanKSettings, settings_from
 
 
 @pytest.mark.parametrize("prefill", [1, 5, 20, 23, 40])
 def test_recent_start_follows_the_hf_cache(prefill):
-    """The closed form the backend uses gives the HF cache layer's recent start at every decode step."""
+    """The rule's closed form (what the vLLM backend calls) gives the HF cache layer's recent start at every decode step."""
     sink, recent, accumu = 4, 8, 3
     layer = LeanKLayer(torch.ones(2, 8, dtype=torch.bool), sink, recent, accumu)
     layer.update(torch.randn(1, 2, prefill, 8), torch.randn(1, 2, prefill, 8))
     for length in range(prefill, prefill + 30):
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-        assert layer.recent_start == recent_start(prefill, length, recent, accumu), length
+        assert layer.recent_start == recent_from(prefill, length, recent, accumu), length
 
 
 def test_packed_rows_hold_kept_k_and_v_of_heads_keeping_any():

@@ -10,7 +10,7 @@ settings every layer is vLLM's own CPU attention, unchanged. With one, each full
 - prefill: attends with every channel (SDPA over the prompt's own K/V), then stores the packed
   rows in the pages and the full K/V of the sink and recent tokens in a small per-request side
   store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
-- decode: the LeanK rule (:func:`~leank_infer.vllm.rule.recent_start`): sink and recent keys
+- decode: the LeanK rule (:func:`leank_infer.rule.recent_from`, the core's rule): sink and recent keys
   with every channel from the side store, middle keys with the kept channels from the pages.
 
 Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
@@ -34,8 +34,8 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..mask import ChannelMask, MaskError
+from ..rule import recent_from
 from .layout import PackedLayout
-from .rule import recent_start
 from .settings import load_checked_mask, settings_from
 
 
@@ -223,7 +223,7 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         t = q.shape[0]
         mask = self.mask
         head = min(mask.sink_size, t)
-        tail_start = max(head, recent_start(t, t, mask.recent_size, mask.accumu_size))
+        tail_start = max(head, recent_from(t, t, mask.recent_size, mask.accumu_size))
         self.states[rid] = _RequestState(
             t,
             t,
@@ -258,7 +258,7 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         self.states.move_to_end(rid)
         mask = self.mask
-        r = recent_start(st.prefill_len, length, mask.recent_size, mask.accumu_size)
+        r = recent_from(st.prefill_len, length, mask.recent_size, mask.accumu_size)
         start = max(st.head_k.shape[0], r)
         if start > st.tail_start:  # these tokens became middle tokens: their packed rows are in the pages
             drop = start - st.tail_start
