@@ -109,6 +109,14 @@ def main(model_dir: str, out_dir: str) -> None:
     fit_and_record(model_dir, out, "sp-ckpt", strategy=SequenceParallelStrategy(2, process_group_backend="gloo"),
                    devices=2, steps=1, activation_checkpointing=True)
     check_exchange(out)
+    # Join the gloo group's threads before the interpreter exits: left to exit-time destructors they can
+    # abort the rank ("terminate called without an active exception", seen once in CI after all results
+    # were written).
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
