@@ -123,15 +123,8 @@ def build_inputs(
 
 def _fp32(args: tuple) -> tuple:
     """The same decode case in fp32 (the reference's precision)."""
-    import dataclasses
-
     q, layout, *rest = args
-    up = lambda t: t.float()  # noqa: E731
-    layout = dataclasses.replace(
-        layout, full_k=up(layout.full_k), full_v=up(layout.full_v), mid_k=tuple(up(k) for k in layout.mid_k),
-        mid_v=up(layout.mid_v),
-    )  # fmt: skip
-    return (up(q), layout, *rest)
+    return (q.float(), layout.float(), *rest)
 
 
 def _dense_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, head: int, masks, scaling: float):

@@ -18,7 +18,7 @@ tail_len, D]``), so a step with nothing to mask attends to them in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -171,6 +171,13 @@ class DecodeLayout:
     recent_from: int  # first full recent key: keys in [start + sink, recent_from) are middle keys
     length: int  # tokens in padded coordinates, the new ones included
     padded: bool  # some row starts after 0 (left padding): the head holds padding or that row's middle keys
+
+    def float(self) -> DecodeLayout:
+        """The same layout with K/V in fp32 (the reference precision kernels are checked against)."""
+        return replace(
+            self, full_k=self.full_k.float(), full_v=self.full_v.float(),
+            mid_k=tuple(k.float() for k in self.mid_k), mid_v=self.mid_v.float(),
+        )  # fmt: skip
 
     @classmethod
     def from_parts(
