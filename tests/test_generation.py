@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from test_model import full_mask, hf_generate, prompt, random_mask, tiny_repo
+from test_model import dense_two_turns, full_mask, hf_generate, prompt, random_mask, tiny_repo
 from transformers import DynamicCache, GenerationConfig, pipeline
 
 from leank_infer import LeanKModel
@@ -120,12 +120,7 @@ def test_generation_config_saved_and_reloaded(tmp_path, built_caches):
 def test_second_turn_reuses_the_leank_cache():
     """A returned LeanK cache carries a conversation on (dense tokens for a full mask); a dense one is refused."""
     model = tiny_model("llama")
-    ids = prompt(30, seed=1)
-    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    dense = DynamicCache(config=model.config)
-    first = hf_generate(model, ids, cache=dense, **kw)
-    turn2 = torch.cat([first, prompt(7, seed=2)], 1)
-    second = hf_generate(model, turn2, cache=dense, **kw)
+    ids, turn2, first, second, kw = dense_two_turns(model)
 
     LeanKModel(model, full_mask())
     out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kw)

@@ -94,15 +94,21 @@ def test_sliding_window_layers_follow_the_model_mask(family, window):
     assert torch.equal(got, want)
 
 
-def test_cache_reused_across_generate_calls_equals_hf():
-    """A second turn on the same cache feeds only the new tokens, on top of the compressed middle."""
-    model = tiny_model("llama")
+def dense_two_turns(model):
+    """A two-turn conversation decoded dense on one DynamicCache: (ids, turn2, first, second, generate kwargs)."""
     ids = prompt(30, seed=1)
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
     dense = DynamicCache(config=model.config)
     first = hf_generate(model, ids, cache=dense, **kw)
     turn2 = torch.cat([first, prompt(7, seed=2)], 1)
     second = hf_generate(model, turn2, cache=dense, **kw)
+    return ids, turn2, first, second, kw
+
+
+def test_cache_reused_across_generate_calls_equals_hf():
+    """A second turn on the same cache feeds only the new tokens, on top of the compressed middle."""
+    model = tiny_model("llama")
+    ids, turn2, first, second, kw = dense_two_turns(model)
     lk = LeanKModel(model, full_mask())
     cache = lk.new_cache()
     assert torch.equal(lk.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw), first)
