@@ -93,6 +93,9 @@ def write_folder(
     """
     target = Path(target)
     why = refusal(target, replaceable, kind)
+    if why and target.parent.is_dir():
+        with _locked(target.parent):  # a concurrent writer may have been mid-swap: look again while none is
+            why = refusal(target, replaceable, kind)
     if why:
         raise FolderError(why)
     parent = target.parent
