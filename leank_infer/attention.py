@@ -3,7 +3,8 @@
 ``leank_attention_forward`` is registered with transformers' ``AttentionInterface``. Without a
 LeanK cache layer in its kwargs (no LeanK cache, or a layer the mask keeps dense), and for the
 forward that fills an empty LeanK layer (the prefill: full attention, as LeanK prescribes), it is
-the model's own dense attention (:func:`dense_attention`). Otherwise it reads the layer's
+the model's own dense attention (:func:`dense_attention`); so is a step of a layer still under its ``dense_until``
+(:class:`~leank_infer.cache.LeanKCache`), which hands over every token's full K/V. Otherwise it reads the layer's
 :class:`~leank_infer.layout.DecodeLayout` and the step's masks and calls the backend dispatcher
 (:func:`leank_infer.backend.decode_attention`). It never changes the cache: the cache compresses
 itself in its ``update``. Its mask function is SDPA's, so the model hands it a bool mask (or None).
@@ -94,8 +95,8 @@ def leank_attention_forward(
     if layer is None and not fed_by_leank_cache and key.shape[2] > query.shape[2]:
         # past keys from another kind of cache: a decode step that would silently run dense
         raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
-    if layer is None or layer.prefilling:
-        if layer is not None:
+    if layer is None or layer.dense_now:  # no LeanK layer, the prefill, or a step under the cache's dense_until
+        if layer is not None and layer.prefilling:
             _check_row_starts(layer, attention_mask, query.shape[0])
         return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     masks = layer.decode_masks(attention_mask, query.shape[2])

@@ -3,7 +3,10 @@
 Runs the mask's base model in one process. Each configuration runs plain ``model.generate`` on
 the same random prompt, once with a DynamicCache under SDPA and once with a LeanK cache (on CUDA
 the Triton kernel, on CPU the PyTorch path); a stopping criterion timestamps every step, so the
-decode step latency is the median gap between consecutive steps (prefill excluded). Example:
+decode step latency is the median gap between consecutive steps. The prompt is prefilled once per
+context (batch 1, dense: LeanK's prefill attention is dense too) and every run decodes from a copy
+of its K/V, the row repeated to the batch; the LeanK cache takes it through its own prefill update.
+Example:
 
     leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
     leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
@@ -34,14 +37,19 @@ DEFAULT_MASK = Path("hub") / "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _StepClock(StoppingCriteria):
-    """Records a timestamp after every generation step; never stops anything."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self) -> None:
+
+class _StepClock(StoppingCriteria):
+    """Records a timestamp after every generation step; never stops anything. ``clock``: wall time, or
+    the CPU time of this process (all its threads): robust on a shared CPU, exact with one thread."""
+
+    def __init__(self, clock: str = "wall") -> None:
+        self.now = CLOCKS[clock]
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        self.times.append(time.perf_counter())
+        self.times.append(self.now())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -86,9 +94,27 @@ def estimate_main(model_id: str, ratio: float, zero_heads: float, dtype: torch.d
     return 0
 
 
-def _run(model, ids: torch.Tensor, cache, new_tokens: int) -> dict[str, float]:
-    clock = _StepClock()
-    t0 = time.perf_counter()
+def prefill_kv(lk: LeanKModel, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """K/V of every layer after a dense prefill of ``ids`` (what LeanK's prefill computes too: its attention
+    is dense) and the next token, so dense and LeanK runs decode from one prefill."""
+    cache = DynamicCache(config=lk.model.config)
+    with torch.inference_mode(), lk.dense():
+        logits = lk.model(ids, **{CACHE_KWARG: cache}, use_cache=True).logits[:, -1]
+    return [(layer.keys, layer.values) for layer in cache.layers], logits.argmax(-1, keepdim=True)
+
+
+def filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """``cache`` after a prefill that gave ``kv`` (batch 1), its row repeated ``batch`` times: a LeanK cache
+    compresses it as its own prefill would (it is the same ``update``)."""
+    with torch.inference_mode():
+        for i, (k, v) in enumerate(kv):
+            cache.update(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous(), i)
+    return cache
+
+
+def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wall") -> dict[str, float]:
+    clock = _StepClock(clock_name)
+    t0 = clock.now()
     with torch.inference_mode():
         model.generate(
             ids,
@@ -128,8 +154,14 @@ def _main(argv: list[str] | None, prog: str) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (LeanK then decodes with the Triton kernel)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="step time as wall time, or as this process's CPU time (robust when other jobs share the "
+                        "CPU; with more than one thread it also counts OpenMP's spin-waiting)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per configuration, dense and LeanK alternating; the best is kept")
+    p.add_argument("--dense-until", type=int, default=0, metavar="TOKENS",
+                   help="LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until; "
+                        "0 = off, the default): the short-context switch, measured against plain dense")
     p.add_argument("--estimate", metavar="MODEL_ID", default=None,
                    help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
     p.add_argument("--plot", type=Path, default=None, help="also draw decode time vs context to this PNG")
@@ -189,40 +221,44 @@ def _main(argv: list[str] | None, prog: str) -> int:
     stats = mask.stats(dtype=dtype)
     print(
         f"model: {mask.base_model or 'embedded SmolLM2-135M-Instruct'}, {str(dtype)[6:]} on {device}, "
-        f"torch threads {torch.get_num_threads()}, CPU load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"torch threads {torch.get_num_threads()}, {args.clock} clock, CPU load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
         + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
-    print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}")
-    lk = LeanKModel(model, mask)
+    print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
+          + (f"; LeanK decodes dense until {args.dense_until:,} tokens" if args.dense_until else ""))
+    if args.dense_until < 0:
+        p.error(f"argument --dense-until: must be >= 0 tokens, got {args.dense_until}")
+    lk = LeanKModel(model, mask, dense_until=args.dense_until)
     header = (
         f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
-        f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8}"
+        f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8} {'alloc ratio':>11}"
         + (f" | {'dense peak GiB':>14} {'LeanK peak GiB':>14}" if device.type == "cuda" else "")
     )
     print(header)
     print("-" * len(header))
     rows = []
     for ctx in contexts:
+        prompt = torch.randint(100, model.config.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+        kv, first = prefill_kv(lk, prompt.to(device))
         for batch in batches:
-            ids = torch.randint(
-                100, model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(ctx)
-            ).to(device)
+            # every run continues the one prefill: its K/V (rows repeated) in a fresh cache and its next token
+            ids = torch.cat([prompt.to(device), first], 1).expand(batch, -1)
             dense = leank = None
             peaks = {}
             for _ in range(max(1, args.repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                dense_cache = DynamicCache(config=model.config)
+                dense_cache = filled(DynamicCache(config=model.config), kv, batch)
                 with lk.dense():
-                    run = _run(model, ids, dense_cache, new_tokens)
+                    run = _run(model, ids, dense_cache, new_tokens, args.clock)
                 peaks["dense"] = _peak(device)
                 dense = run if dense is None or run["step_ms"] < dense["step_ms"] else dense
                 dense_bytes = dynamic_cache_bytes(dense_cache)
                 del dense_cache
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                leank_cache = lk.new_cache()
-                run = _run(model, ids, leank_cache, new_tokens)
+                leank_cache = filled(lk.new_cache(), kv, batch)
+                run = _run(model, ids, leank_cache, new_tokens, args.clock)
                 peaks["leank"] = _peak(device)
                 leank = run if leank is None or run["step_ms"] < leank["step_ms"] else leank
                 leank_bytes = lk.kv_cache_bytes(leank_cache)

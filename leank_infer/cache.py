@@ -17,6 +17,14 @@ Storage is preallocated: head and tail share one ``[B, Hkv, cap, D]`` buffer siz
 ``head + recent + accumu + 1`` tokens (a decode step writes one slot; every ``accumu_size`` steps
 the tail shifts down by ``accumu_size``), the middle grows in chunks of :data:`MID_CHUNK` tokens.
 Row starts come from ``position_ids`` (generate numbers each row's real tokens from 0).
+
+``dense_until`` (default 0: off) is the documented switch for short contexts: while a layer holds
+fewer tokens than that (padded length, before a forward's new tokens), it keeps every token's full
+K/V and its attention is the model's dense one, no memory saved; the first forward at or past it
+compresses the layer to exactly the state the schedule would have reached (the middle is
+``[head, recent_start)``, the schedule's ``recent_start`` is tracked all along) and decodes by the
+LeanK rule from then on. On a CPU at batch 1 below ~1.5k tokens the dense step is the faster one
+(see the README's speed table); the saving then starts at ``dense_until`` tokens.
 """
 
 from __future__ import annotations
@@ -79,8 +87,12 @@ class LeanKLayer(CacheLayerMixin):
         accumu_size: int,
         config: Any = None,
         shared: dict | None = None,
+        dense_until: int = 0,
     ):
         super().__init__()
+        if dense_until < 0:
+            raise ValueError(f"dense_until must be >= 0 tokens, got {dense_until}")
+        self.dense_until = int(dense_until)
         # all layers of a cache hold the same token layout: they share the decode masks of a step
         self._shared = {} if shared is None else shared
         self.groups = ChannelGroups.from_keep(keep)
@@ -98,10 +110,16 @@ class LeanKLayer(CacheLayerMixin):
         self.recent_start = 0
         self.length = 0
         self.prefilling = False  # True during the forward that filled the empty layer (its attention is dense)
+        self.deferred = False  # True while nothing is compressed yet under ``dense_until`` (dense attention)
         self.starts_hint: torch.Tensor | None = None  # row starts when the prefill has no position_ids
         self.is_initialized = False
 
     # ---- sizes and views -----------------------------------------------------------------------
+    @property
+    def dense_now(self) -> bool:
+        """Whether this forward's attention is the model's dense one: the prefill, or a step under ``dense_until``."""
+        return self.prefilling or self.deferred
+
     @property
     def head_k(self) -> torch.Tensor:
         return self._full_k[:, :, : self.head_len]
@@ -219,8 +237,14 @@ class LeanKLayer(CacheLayerMixin):
             return key_states, value_states
         self._check_attention()
         self.recent_start = decode_recent_from(self.recent_start, self.length, self.recent_size, self.accumu_size)
-        self._roll()
+        if self.deferred and self.length >= self.dense_until:
+            self._compress_deferred()
+        if not self.deferred:
+            self._roll()
         self._append(key_states, value_states)
+        if self.deferred:  # dense attention over every token so far, read in place
+            n = self.head_len + self.tail_len
+            return self._full_k.narrow(2, 0, n), self._full_v.narrow(2, 0, n)
         return key_states, value_states  # the "leank" attention reads layout(), not these
 
     def _check_attention(self) -> None:
@@ -253,7 +277,8 @@ class LeanKLayer(CacheLayerMixin):
         self.head_target = max_start + self.sink_size
         h = min(t, self.head_target)
         self.recent_start = prefill_recent_from(t, self.recent_size)
-        m = max(h, self.recent_start)
+        self.deferred = t < self.dense_until
+        m = h if self.deferred else max(h, self.recent_start)  # deferred: everything after the head stays full
         cap = max(h + (t - m), self.head_target + self.recent_size) + self.accumu_size + 1
         self._full_k = k.new_empty(b, hkv, cap, d)
         self._full_v = v.new_empty(b, hkv, cap, v.shape[-1])
@@ -302,14 +327,26 @@ class LeanKLayer(CacheLayerMixin):
             self._full_v[:, :, h : h + rest] = self._full_v[:, :, h + move : h + t].clone()
         self.tail_len = rest
 
+    def _compress_deferred(self) -> None:
+        """Leave ``dense_until`` mode: the tokens below ``recent_start`` go to the middle at once (the
+        state the schedule would have reached), and the full buffer shrinks back to its LeanK size."""
+        self.deferred = False
+        self._roll()
+        full = self.head_len + self.tail_len
+        cap = max(full, self.head_target + self.recent_size) + self.accumu_size + 1
+        if cap < self._full_k.shape[2]:
+            self._full_k = self._full_k[:, :, :cap].clone()
+            self._full_v = self._full_v[:, :, :cap].clone()
+        self._shared.clear()
+
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         q_len = k.shape[2]
         take = 0
         if self.mid_len == 0 and self.tail_len == 0:  # short prompt: fill the head to its target first
             take = min(q_len, max(0, self.head_target - self.head_len))
         pos = self.head_len + self.tail_len
-        if pos + q_len > self._full_k.shape[2]:  # several tokens at once (chunked prefill, a second turn)
-            cap = pos + q_len + self.accumu_size + 1
+        if pos + q_len > self._full_k.shape[2]:  # several tokens at once, or a dense_until layer growing
+            cap = pos + q_len + (max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
             self._full_k = _grow(self._full_k, pos, cap)
             self._full_v = _grow(self._full_v, pos, cap)
         self._full_k.narrow(2, pos, q_len).copy_(k)
@@ -345,7 +382,9 @@ class LeanKLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or (self.length - n < self.recent_start):
+        if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or (
+            not self.deferred and self.length - n < self.recent_start
+        ):
             raise ValueError(
                 f"cannot crop {n} tokens from a LeanK cache: only uncompressed recent tokens can be dropped"
             )
@@ -381,9 +420,11 @@ class LeanKCache(Cache):
     ``"leank"`` attention implementation (a clear error instead of silently wrong attention).
     The mask's ``dense_layers`` and, given ``config``, every sliding-window layer of the model get
     the model's own cache layer (e.g. ``DynamicSlidingWindowLayer``): they keep only their window.
+    ``dense_until`` (tokens, 0 = off): decode dense, without compressing, until a sequence holds that
+    many tokens (see the module docstring): the short-context switch, never on by default.
     """
 
-    def __init__(self, mask: ChannelMask, config: Any = None):
+    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0):
         if config is not None:
             mask.validate(config)
         shared: dict = {}
@@ -392,11 +433,12 @@ class LeanKCache(Cache):
         layers = [
             model_cache_layer(config, i)
             if i in dense
-            else LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared)
+            else LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until)
             for i in range(mask.num_layers)
         ]
         super().__init__(layers=layers)
         self.mask = mask
+        self.dense_until = dense_until
         # Each row's first real token, for a prefill whose update gets no position_ids (transformers
         # < 5.20 hands none to Cache.update): set by generate's cache hook from the attention mask.
         self.prefill_starts: torch.Tensor | None = None

@@ -40,6 +40,7 @@ CACHE_KWARG: str = _generation_utils.ALL_CACHE_NAMES[0]
 _CACHE_NAMES = ("cache", "past_key_values")
 _MASK_ATTR = "_leank_mask"
 _DENSE_ATTR = "_leank_dense_attn_implementation"
+_DENSE_UNTIL_ATTR = "_leank_dense_until"
 
 
 def cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def _leank_prepare_cache_for_generation(
                 "model decodes with its own LeanKCache: drop cache_implementation from the call or the "
                 "generation config (model.generation_config.cache_implementation = None)"
             )
-        cache = LeanKCache(mask, config=self.config)
+        cache = LeanKCache(mask, config=self.config, dense_until=getattr(self, _DENSE_UNTIL_ATTR, 0))
         model_kwargs[CACHE_KWARG] = cache
         _hint_row_starts(cache, model_kwargs)
         if getattr(generation_config, "is_assistant", False):
@@ -111,8 +112,9 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def install(model: Any, mask: ChannelMask) -> None:
-    """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``.
+def install(model: Any, mask: ChannelMask, dense_until: int = 0) -> None:
+    """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``
+    (with ``dense_until``, see :class:`~leank_infer.cache.LeanKCache`).
 
     This object only; installing again replaces the mask (the model decodes with the last one). The
     mask must already be checked against the model (``mask.validate(model.config)``). The attention
@@ -126,6 +128,7 @@ def install(model: Any, mask: ChannelMask) -> None:
         setattr(model, _DENSE_ATTR, current or "sdpa")
     set_attn_implementation(model, ATTN_IMPLEMENTATION)
     setattr(model, _MASK_ATTR, mask)
+    setattr(model, _DENSE_UNTIL_ATTR, int(dense_until))
     model._prepare_cache_for_generation = types.MethodType(_leank_prepare_cache_for_generation, model)
 
 
@@ -133,7 +136,7 @@ def uninstall(model: Any) -> None:
     """Give ``model`` its own attention implementation and ``generate`` its own cache choice back."""
     set_attn_implementation(model, getattr(model, _DENSE_ATTR, "sdpa"))
     model.__dict__.pop("_prepare_cache_for_generation", None)
-    for attr in (_MASK_ATTR, _DENSE_ATTR):
+    for attr in (_MASK_ATTR, _DENSE_ATTR, _DENSE_UNTIL_ATTR):
         model.__dict__.pop(attr, None)
 
 

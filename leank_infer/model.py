@@ -54,14 +54,22 @@ class LeanKModel:
     ``LeanKModel(model, mask, tokenizer)`` wraps models already in memory. The mask is checked
     against ``model.config`` first (a mask for another shape of model is a ``MaskError`` and the
     model is left as it was).
+
+    ``dense_until`` (tokens, default 0 = off) trades memory for speed at short contexts: a sequence
+    decodes dense, keeping every channel, until it holds that many tokens, then compresses and
+    follows the LeanK rule (see :class:`~leank_infer.cache.LeanKCache`). On a CPU at batch 1 the
+    dense step is faster below ~1.5k tokens; the README's speed table measures where.
     """
 
-    def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None):
+    def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0):
         mask.validate(model.config)
+        if isinstance(dense_until, bool) or not isinstance(dense_until, int) or dense_until < 0:
+            raise ValueError(f"dense_until must be a number of tokens >= 0, got {dense_until!r}")
         self.model = model
         self.mask = mask
         self.tokenizer = tokenizer
-        _generation.install(model, mask)
+        self.dense_until = dense_until
+        _generation.install(model, mask, dense_until)
 
     @classmethod
     def from_pretrained(
@@ -71,6 +79,7 @@ class LeanKModel:
         model: Any = None,
         tokenizer: Any = None,
         check_base_model: bool = True,
+        dense_until: int = 0,
         **hf_kwargs: Any,
     ) -> LeanKModel:
         """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
@@ -104,12 +113,12 @@ class LeanKModel:
                     "load it with them (they are kwargs of from_pretrained) or pass model=None",
                     stacklevel=2,
                 )
-        return cls(model, mask, tokenizer)
+        return cls(model, mask, tokenizer, dense_until=dense_until)
 
     # ---- decoding ------------------------------------------------------------------------------
     def new_cache(self) -> LeanKCache:
         """An empty LeanK cache for this model (one per generation / conversation)."""
-        return LeanKCache(self.mask, config=self.model.config)
+        return LeanKCache(self.mask, config=self.model.config, dense_until=self.dense_until)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate``: a fresh LeanK cache unless one is passed (as ``cache=`` or ``past_key_values=``,

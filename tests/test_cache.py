@@ -48,12 +48,17 @@ class _Run:
     """Feeds random q/k/v through one LeanKLayer and the leank attention function, keeping the full K/V."""
 
     def __init__(
-        self, keep: torch.Tensor, lengths: list[int], seed: int = 0, dtype: torch.dtype = torch.float32
+        self,
+        keep: torch.Tensor,
+        lengths: list[int],
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        dense_until: int = 0,
     ):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
         self.keep = keep
-        self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU)
+        self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU, dense_until=dense_until)
         t0 = max(lengths)
         self.pad = torch.zeros(len(lengths), t0, dtype=torch.bool)
         for b, n in enumerate(lengths):
@@ -95,8 +100,9 @@ class _Run:
         self.q = q
         return out, mask
 
-    def reference(self, upcast: bool = False) -> torch.Tensor:
-        """The dense LeanK rule per new query, its full recent part from the documented schedule."""
+    def reference(self, upcast: bool = False, dense: bool = False) -> torch.Tensor:
+        """The dense LeanK rule per new query, its full recent part from the documented schedule
+        (``dense``: every channel of every key, i.e. the model's own attention)."""
         total, q_len = self.k.shape[2], self.q.shape[2]
         cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
         outs = []
@@ -107,7 +113,7 @@ class _Run:
                     cast(self.q[:, :, i : i + 1]),
                     cast(self.k[:, :, : p + 1]),
                     cast(self.v[:, :, : p + 1]),
-                    self.keep.float(),
+                    torch.ones_like(self.keep, dtype=torch.float32) if dense else self.keep.float(),
                     torch.tensor([p]),
                     SINK,
                     p - self.recent_from,
@@ -244,6 +250,47 @@ def test_batch_select_keeps_rows_consistent():
     single.update(run.k[1:, :, -1:], run.v[1:, :, -1:], kwargs=kwargs)
     one, _ = leank_attention_forward(_Attn(), run.q[1:], None, None, None, scaling=D**-0.5, **kwargs)
     assert _rel_err(one, batch_out[1:]) < 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[25], [25, 18]], ids=["b1", "b2-pad"])
+def test_dense_until_decodes_dense_then_exactly_the_compressed_cache(lengths):
+    """Under ``dense_until`` a step is the model's dense attention over every token (full bytes held); the
+    first step at or past it leaves the layer exactly as a cache compressed all along (same regions,
+    same stored tensors, same bytes) and from then on the output is the LeanK rule."""
+    until = 31  # reached exactly before the 3-token step (25 + 6 single steps)
+    run, twin = _Run(_keep(), lengths, dense_until=until), _Run(_keep(), lengths)  # same seed: same q/k/v
+    run.step(max(lengths))
+    twin.step(max(lengths))
+    assert run.layer.mid_len == 0 < twin.layer.mid_len
+    b, crossed = len(lengths), False
+    for q_len in [1] * 6 + [3] + [1] * 8:
+        past = run.layer.length
+        out, _ = run.step(q_len)
+        twin.step(q_len)
+        if past < until:
+            assert _rel_err(out, run.reference(dense=True)) < 1e-5
+            assert _rel_err(out, run.reference()) > 1e-3, "the rule and dense attention should differ here"
+            assert run.layer.nbytes() == b * run.layer.length * HKV * 2 * D * 4  # every token, every channel
+            continue
+        crossed = True
+        assert _rel_err(out, run.reference()) < 1e-5
+        a, t = run.layer.layout(), twin.layer.layout()
+        assert (run.layer.head_len, run.layer.mid_len, run.layer.tail_len) == (
+            twin.layer.head_len, twin.layer.mid_len, twin.layer.tail_len)
+        assert torch.equal(a.full_k, t.full_k) and torch.equal(a.full_v, t.full_v) and torch.equal(a.mid_v, t.mid_v)
+        assert all(torch.equal(x, y) for x, y in zip(a.mid_k, t.mid_k, strict=True))
+        assert run.layer.nbytes() == twin.layer.nbytes()
+        assert run.layer.allocated_bytes() <= twin.layer.allocated_bytes() + 2 * b * HKV * D * 4 * (ACCUMU + 1)
+    assert crossed
+
+
+def test_dense_until_at_or_below_the_prompt_compresses_at_prefill():
+    run, twin = _Run(_keep(), [25], dense_until=25), _Run(_keep(), [25])
+    run.step(25)
+    twin.step(25)
+    assert run.layer.mid_len == twin.layer.mid_len > 0
+    with pytest.raises(ValueError, match="dense_until"):
+        LeanKLayer(_keep(), SINK, RECENT, ACCUMU, dense_until=-1)
 
 
 def test_crop_drops_only_uncompressed_tokens():

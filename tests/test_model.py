@@ -276,6 +276,30 @@ def test_beam_search_reorders_a_pruned_cache():
         assert score.item() == pytest.approx(alone, abs=1e-4)
 
 
+def test_dense_until_is_dense_generate_below_and_the_leank_rule_above(family):
+    """The short-context switch: with ``dense_until`` past the whole sequence a pruning mask decodes exactly
+    as plain transformers (every entry point: ``LeanKModel.generate`` and the wrapped model's own
+    ``generate``); once a sequence crosses it the cache is compressed (the saving starts there)."""
+    model = tiny_model(family)
+    ids = prompt(30, batch=2)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    want = hf_generate(model, ids, **kw)
+    pruned = hf_generate(LeanKModel(model, random_mask()).model, ids, **kw)
+    assert not torch.equal(pruned, want), "this mask should change greedy decoding"
+    lk = LeanKModel(model, random_mask(), dense_until=10_000)
+    cache = lk.new_cache()
+    assert torch.equal(lk.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw), want)
+    assert cache.region_lengths()["middle"] == 0
+    assert torch.equal(hf_generate(lk.model, ids, **kw), want)  # the model's generate builds the same cache
+    crossing = LeanKModel(model, random_mask(), dense_until=35)
+    cache = crossing.new_cache()
+    got = crossing.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert torch.equal(got[:, :36], want[:, :36])  # the prefill's token and the 5 steps from 30 to 34 tokens: dense
+    assert cache.region_lengths()["middle"] > 0
+    with pytest.raises(ValueError, match="dense_until"):
+        LeanKModel(model, random_mask(), dense_until=-5)
+
+
 def test_mismatched_mask_is_refused_before_touching_the_model():
     model = tiny_model("llama")
     impl = model.config._attn_implementation
