@@ -72,7 +72,7 @@ def compile_kernels(dtype: torch.dtype, softcap: float | None = None) -> dict[st
     import kernel as bench
     from triton.runtime import driver
 
-    from leank_infer import triton_decode as td
+    from leank_infer.decode import triton_decode as td
 
     if td.kernels_interpreted():
         raise SystemExit("kernel_asm.py compiles for a GPU: unset TRITON_INTERPRET")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
+from .mask.channel_mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
 
 REFERENCE_REPO = "https://github.com/microsoft/MInference"
 REFERENCE_COMMIT = "fb56c917f618e8645f1cfc37535afd7424d78f0d"
@@ -198,7 +198,7 @@ def import_reference_mask(
     mask = reference_mask(keep, base_model, source, known.get("base_model_parameters"))
 
     def write(folder: Path) -> None:
-        from .card import write_model_card
+        from .hub.card import write_model_card
 
         mask.save_pretrained(folder)
         shutil.copyfile(lic, folder / "LICENSE")

@@ -2,7 +2,7 @@
 
 Why: before renting GPUs for a 32k-128k run, a user wants to know whether one step fits and what
 sequence parallelism or activation checkpointing buys. The terms follow the step of
-:mod:`leank_train.module` (teacher prefill without grad that records the context K/V, then the
+:mod:`leank_train.distill.module` (teacher prefill without grad that records the context K/V, then the
 answer tokens with grad against it); each is a dominant term, not an allocator trace:
 
 - weights: ``params x bytes`` (FSDP divides it by the number of ranks that shard the model);

@@ -237,7 +237,7 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
 def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
     """``leank eval`` on the exported mask; its table goes into the model card, with the command."""
     from leank_infer import LeanKModel
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     start = time.perf_counter()
     lm = LeanKModel.from_pretrained(out_dir)

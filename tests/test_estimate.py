@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_config
 
 from leank_infer import ChannelMask
-from leank_infer.estimate import estimate_kv_bytes, global_layers
+from leank_infer.mask.estimate import estimate_kv_bytes, global_layers
 
 
 def test_estimate_matches_the_formula_for_llama_8b_shapes():

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask
+from .channel_mask import ChannelMask
 
 GiB = 1024**3
 CONTEXTS = (4096, 32768, 131072)

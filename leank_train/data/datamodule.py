@@ -28,7 +28,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 # ResumableSampler resumes mid-epoch at the right sample (tests/test_faults.py checks it step by step);
 # Lightning cannot see that from a plain DataLoader and warns on every mid-epoch resume.
@@ -236,7 +236,7 @@ def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[st
     """The base model's tokenizer, resolved like the model (the embedded one works offline)."""
     from transformers import AutoTokenizer
 
-    from leank_infer.loading import resolve_base_model
+    from leank_infer.model.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
     kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
@@ -249,7 +249,7 @@ def model_max_positions(base_model: str, revision: str | None = None, loader: di
     """The base model's ``max_position_embeddings`` from its config alone (no weights), None if it has none."""
     from transformers import AutoConfig
 
-    from leank_infer.loading import resolve_base_model
+    from leank_infer.model.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
     kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)

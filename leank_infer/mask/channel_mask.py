@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .folder_swap import FolderError, refusal, write_folder
-from .hub_names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
+from ..folders.atomic import FolderError, refusal, write_folder
+from ..folders.names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
 
 # A version above 1 is written only for masks an older reader cannot honour, so that it refuses them
 # instead of loading the bare base model and decoding a model the mask was not learned on: 2 for a
@@ -448,7 +448,7 @@ class ChannelMask:
         cls, path_or_repo: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any
     ) -> ChannelMask:
         """Load a mask from a local folder or a Hub repo id (only safetensors and JSON are read)."""
-        from .hub import resolve_mask_dir
+        from ..hub.transfer import resolve_mask_dir
 
         folder = resolve_mask_dir(path_or_repo, revision=revision, **hub_kwargs)
         return cls.from_dir(folder)
@@ -510,8 +510,8 @@ class ChannelMask:
             raise MaskError(f"{folder}: {e}") from None
 
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
-        """Upload this mask (and its model card) to the Hub in one commit; see :func:`leank_infer.hub.push_mask`."""
-        from .hub import push_mask
+        """Upload this mask (and its model card) to the Hub in one commit; see :func:`leank_infer.hub.transfer.push_mask`."""
+        from ..hub.transfer import push_mask
 
         return push_mask(self, repo_id, **kwargs)
 
@@ -534,7 +534,7 @@ def is_mask_repo(folder: Path) -> bool:
     and nothing but a mask repo's own files (mask, config, card, eval.json, plots), none of them a link."""
     import fnmatch
 
-    from .hub import ALLOW_PATTERNS
+    from ..hub.transfer import ALLOW_PATTERNS
 
     names = {p.name: p for p in folder.iterdir()}
     return (
@@ -558,7 +558,7 @@ def write_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
 
     Only a new or empty folder or an older mask repo is replaced; a file, a symlink, ``/`` or a
     folder with other files is refused up front (MaskError, nothing written). Concurrent writers
-    take turns; readers see the old folder or the new one. See :mod:`leank_infer.folder_swap`.
+    take turns; readers see the old folder or the new one. See :mod:`leank_infer.folders.atomic`.
     """
     try:
         return write_folder(target, fill, is_mask_repo, "mask repo")

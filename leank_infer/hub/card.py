@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .mask import ChannelMask
+from ..mask.channel_mask import ChannelMask
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {
@@ -173,7 +173,7 @@ def capacity_section(mask: ChannelMask, repo: str, gpu_gib: float = 80.0) -> str
     """Largest batch on one GPU, dense vs LeanK, when the folder records its base model's size."""
     import torch
 
-    from .capacity import ASSUMPTION, base_parameters, capacity_table
+    from ..mask.capacity import ASSUMPTION, base_parameters, capacity_table
 
     n = base_parameters(mask)
     if n is None:
