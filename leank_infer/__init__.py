@@ -1,7 +1,7 @@
 """leank_infer: LeanK masks and decoding for transformers (no training dependencies)."""
 
 from .decode.layer_handoff import LeanKCacheError
-from .mask.channel_mask import ChannelMask, MaskError
+from .mask import ChannelMask, MaskError
 from .model.loading import EMBEDDED_MODEL_ID, BaseModelError, load_base_model
 
 __all__ = [

@@ -25,7 +25,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cli_types import fraction, positive_int, positive_int_list
 from .decode.cache import dynamic_cache_bytes
-from .mask.channel_mask import ChannelMask, MaskError, model_positions, model_shape
+from .mask import ChannelMask, MaskError, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
 from .model.loading import BaseModelError, load_base_model, load_mask_base_model

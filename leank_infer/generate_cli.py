@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from .decode.cache import dynamic_cache_bytes
-    from .mask.channel_mask import MaskError, model_positions
+    from .mask import MaskError, model_positions
     from .model.generation import CACHE_KWARG
     from .model.leank_model import LeanKModel
     from .model.loading import BaseModelError

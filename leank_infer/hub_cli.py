@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .mask.channel_mask import ChannelMask, MaskError
+from .mask import ChannelMask, MaskError
 
 
 def push_main(argv: Sequence[str]) -> int:
@@ -25,7 +25,8 @@ def push_main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-    from .hub.transfer import check_push_target, push_mask
+    from .hub.publish import push_mask
+    from .hub.transfer import check_push_target
 
     try:
         check_push_target(args.repo_id, args.revision)

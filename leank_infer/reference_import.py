@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .mask.channel_mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
+from .mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
 
 REFERENCE_REPO = "https://github.com/microsoft/MInference"
 REFERENCE_COMMIT = "fb56c917f618e8645f1cfc37535afd7424d78f0d"

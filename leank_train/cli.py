@@ -30,7 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from leank_infer.mask import MaskError
 from leank_infer.model.loading import BaseModelError
 
-from .data.datamodule import NeedleDataModule
+from .data import NeedleDataModule
 from .distill.finite import NonFiniteError
 from .distill.module import LeanKDistillation
 from .errors import RecipeError

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 
+from leank_infer.hub.publish import push_folder
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
 from .cli import one_line_errors, read_recipe, run_cli
@@ -227,7 +228,7 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
     if settings.enabled:
         _evaluate_into_card(out_dir, settings)
     if cfg.get("push_to_hub"):
-        info = ChannelMask.from_dir(out_dir).push_to_hub(cfg["push_to_hub"], folder=out_dir)
+        info = push_folder(out_dir, cfg["push_to_hub"])
         print(f"[leank run] pushed to {info}", flush=True)
     if cfg.get("compare_to"):
         print(format_comparison(MaskSnapshot.read(out_dir), references[cfg["compare_to"]]), flush=True)

@@ -33,7 +33,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..mask.channel_mask import ChannelMask, dense_layers_of
+from ..mask import ChannelMask, dense_layers_of
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks

@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..mask.channel_mask import ChannelMask
+from ..mask import ChannelMask
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {

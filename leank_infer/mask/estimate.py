@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from .channel_mask import ChannelMask, check_ratio_align, dense_layers_of, model_shape
+from .binarize import check_ratio_align
+from .channel_mask import ChannelMask
+from .layers import dense_layers_of, model_shape
 
 
 def global_layers(config: Any) -> list[bool]:

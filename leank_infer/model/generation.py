@@ -31,7 +31,7 @@ from ..decode.attention import ATTN_IMPLEMENTATION
 from ..decode.cache import LeanKCache
 from ..decode.layer_handoff import LeanKCacheError
 from ..decode.layout import row_starts
-from ..mask.channel_mask import ChannelMask
+from ..mask import ChannelMask
 
 __all__ = ["CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "uninstall"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..decode.cache import LeanKCache
-from ..mask.channel_mask import ChannelMask, MaskError
+from ..mask import ChannelMask, MaskError
 from . import generation as _generation
 from .loading import load_mask_base_model
 

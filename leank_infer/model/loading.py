@@ -298,7 +298,7 @@ def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[st
     """
     from transformers import AutoConfig
 
-    from ..mask.channel_mask import MaskError
+    from ..mask import MaskError
 
     source, extra = resolve_base_model(mask.base_model, mask.loader)
     kwargs = {**extra, "trust_remote_code": bool(hf_kwargs.get("trust_remote_code", False))}

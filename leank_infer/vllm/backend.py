@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..decode.rule import recent_from
-from ..mask.channel_mask import ChannelMask, MaskError
+from ..mask import ChannelMask, MaskError
 from .layout import PackedLayout
 from .settings import load_checked_mask, settings_from
 

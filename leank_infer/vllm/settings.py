@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..mask.channel_mask import ChannelMask, MaskError
+from ..mask import ChannelMask, MaskError
 
 ENV_MASK = "LEANK_MASK"
 KEY_MASK = "leank_mask"

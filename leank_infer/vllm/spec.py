@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..mask.channel_mask import MaskError
+from ..mask import MaskError
 from .settings import settings_from
 
 _installed = False
