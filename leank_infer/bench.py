@@ -243,14 +243,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
         plot_decode_time(rows, args.plot, command)
         print(f"plot: {args.plot}")
         if args.card and args.mask and Path(args.mask).is_dir():
-            import shutil
-
             from .hub.card import write_model_card
 
-            target = Path(args.mask) / args.plot.name
-            if target.resolve() != args.plot.resolve():
-                shutil.copyfile(args.plot, target)
-            write_model_card(args.mask, figures={args.plot.name: command})
+            write_model_card(args.mask, figures={args.plot.name: command}, figure_files=[args.plot])
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes "
         "held; alloc ratio = LeanK storage reserved (its preallocated spare slots included) / dense"

@@ -562,7 +562,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             plot_accuracy(res, args.plot, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures)
+            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[args.plot] if args.plot else ())
     if args.card and len(args.mask) > 1:
         from leank_infer.hub.card import EVAL_FILE
 
@@ -574,14 +574,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
                 if "tasks" in row:
                     rows = card_results({**row, "methods": ["full", "leank"]}, cmd)
-            write_model_card(path, rows, figures=figures)
-    if args.card and args.plot:
-        import shutil
-
-        for path in args.mask:
-            target = Path(path) / args.plot.name
-            if Path(path).is_dir() and target.resolve() != args.plot.resolve():
-                shutil.copyfile(args.plot, target)
+            write_model_card(path, rows, figures=figures, figure_files=[args.plot] if args.plot else ())
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:

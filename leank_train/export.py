@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from leank_infer.hub.card import write_model_card
+from leank_infer.hub.card import write_card_files
 from leank_infer.mask import ChannelMask, check_mask_target, write_mask_folder
 from leank_infer.model.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
 
@@ -28,7 +28,7 @@ def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: 
 
     def fill(tmp: Path) -> None:
         mask.write_files(tmp)
-        write_model_card(tmp, eval_results, repo=str(folder))
+        write_card_files(tmp, eval_results, repo=str(folder))
 
     return write_mask_folder(folder, fill)
 

@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 
+from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
@@ -166,11 +166,7 @@ def run_stage(
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    write_file(path, json.dumps(data))
 
 
 def _training_loss(folder: str) -> float | None:

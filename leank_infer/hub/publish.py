@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..mask import ChannelMask
-from .card import write_model_card
+from .card import write_card_files
 from .transfer import check_push_target, upload_folder
 
 if TYPE_CHECKING:
@@ -41,5 +41,5 @@ def push_mask(mask: ChannelMask, repo_id: str, *, folder: str | os.PathLike | No
     message = commit_message or f"Upload LeanK mask for {mask.base_model or 'its base model'}"
     with tempfile.TemporaryDirectory() as tmp:
         src = mask.save_pretrained(tmp)
-        write_model_card(src, repo=repo_id)
+        write_card_files(src, repo=repo_id)
         return upload_folder(src, repo_id, commit_message=message, **upload)
