@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from leank_infer.mask.kv_bytes import dense_token_bytes
+
 GiB = 1024**3
 
 # Published architectures, so the estimate works offline for the recipes' models.
@@ -93,7 +95,7 @@ def estimate_step_memory(
     if kv_heads % w:
         raise ValueError(f"sequence_parallel={w} must divide the {kv_heads} KV heads")
     local = -(-context // w)
-    kv_per_token_layer = 2 * kv_heads * head_dim * b // w
+    kv_per_token_layer = dense_token_bytes(1, kv_heads, head_dim, b) // w
     weights = count_params(cfg) * b / fsdp_shards
     kv = kv_per_token_layer * context * layers
     teacher = local * (3 * inter + 4 * hidden + (heads + 2 * kv_heads) * head_dim) * b

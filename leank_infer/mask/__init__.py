@@ -2,8 +2,8 @@
 
 Inside the package, each module imports only those listed before it:
 ``format`` (file names, versions, limits, MaskError) -> ``layers`` (shape, positions, dense layers)
--> ``binarize`` -> ``folder`` (read and write a mask folder) -> ``channel_mask`` (ChannelMask)
--> ``estimate``, ``capacity`` (bytes per token and per sequence, batch sizes).
+-> ``binarize``, ``kv_bytes`` (bytes per token, the one formula) -> ``folder`` (read and write a mask
+folder) -> ``channel_mask`` (ChannelMask) -> ``estimate``, ``capacity`` (any config, per sequence, batches).
 """
 
 from .binarize import binarize, check_ratio_align

@@ -26,6 +26,7 @@ from .format import (
     MaskError,
     check_config_overrides,
 )
+from .kv_bytes import dense_token_bytes, kept_token_bytes
 from .layers import check_dense_layers, dense_layers_of, model_shape
 
 
@@ -165,11 +166,10 @@ class ChannelMask:
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.float16) -> dict[str, int]:
         """K+V bytes one token costs in every layer: dense, and a LeanK middle (pruned) token."""
-        item = torch.empty((), dtype=dtype).element_size()
-        dense = 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
-        k = int(self.keep.sum()) * item
-        v = int((self.kept_counts > 0).sum()) * self.head_dim * item
-        return {"dense": dense, "leank_middle": k + v}
+        return {
+            "dense": dense_token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, dtype),
+            "leank_middle": kept_token_bytes(self.kept_counts, self.head_dim, dtype),
+        }
 
     def full_token_count(self, seq_len: int) -> tuple[int, int]:
         """(full tokens, pruned middle tokens) that a cache holds right after a prefill of ``seq_len`` tokens."""
