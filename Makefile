@@ -96,7 +96,7 @@ sweep: $(STAMP)
 
 # Mutation testing (not in CI: slow): mutmut (configured in pyproject.toml [tool.mutmut]) breaks the core
 # modules one change at a time and runs the tests that cover each change; survivors are listed at the end.
-# MUTANTS narrows the run to mutant-name globs, e.g. make mutants MUTANTS='leank_infer.mask.x_binarize*'
+# MUTANTS narrows the run to mutant-name globs, e.g. make mutants MUTANTS='leank_infer.mask.binarize.x_binarize*'
 MUTANTS ?=
 mutants: $(STAMP)
 	$(VENV)/bin/mutmut run $(MUTANTS)

@@ -22,8 +22,8 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from leank_infer.attention import leank_attention_forward
-from leank_infer.cache import LeanKLayer
+from leank_infer.decode.attention import leank_attention_forward
+from leank_infer.decode.cache import LeanKLayer
 from leank_infer.mask import ChannelMask
 
 HQ, HKV, D = 9, 3, 64

@@ -235,8 +235,8 @@ def part_train(model, small: bool, device: torch.device, steps: int, context: in
     import yaml
     from torch.utils.data import DataLoader
 
+    from leank_train.distill.module import LeanKDistillation
     from leank_train.memory import estimate_step_memory
-    from leank_train.module import LeanKDistillation
 
     recipe = yaml.safe_load((ROOT / "recipes" / "llama-3.1-8b.yaml").read_text())
     m, s1 = recipe["model"], recipe["stage1"]["model"]

@@ -92,7 +92,7 @@ def build_inputs(
 ):
     """(dense q/k/v/padding, decode contract args ``(query, layout, masks, scaling)``) over one random cache;
     rows may start late (left padding)."""
-    from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks
+    from leank_infer.decode.layout import ChannelGroups, DecodeLayout, DecodeMasks
 
     dev = torch.device(device)
     b, hkv, d = cfg.batch, cfg.kv_heads, cfg.head_dim
@@ -129,7 +129,7 @@ def _fp32(args: tuple) -> tuple:
 
 def _dense_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, head: int, masks, scaling: float):
     """Every key with all channels (a full mask): head ``[0, head)``, the rest as tail, no middle."""
-    from leank_infer.layout import ChannelGroups, DecodeLayout
+    from leank_infer.decode.layout import ChannelGroups, DecodeLayout
 
     ones = ChannelGroups.from_keep(torch.ones_like(keep)).to(k.device)
     empty_v = v.new_zeros(v.shape[0], v.shape[1], 0, v.shape[3])
@@ -148,9 +148,9 @@ def check_correctness(
     dtypes: tuple[str, ...] = ("fp16", "bf16"),
 ) -> list[str]:
     """Kernel vs the PyTorch path (in fp32 on the same values), and full-mask kernel vs SDPA; left-padded batch of 2."""
-    from leank_infer.layout import DecodeMasks
-    from leank_infer.torch_decode import torch_decode_attention
-    from leank_infer.triton_decode import triton_decode_attention
+    from leank_infer.decode.layout import DecodeMasks
+    from leank_infer.decode.torch_decode import torch_decode_attention
+    from leank_infer.decode.triton_decode import triton_decode_attention
 
     lines, ok = [], True
     cfg = cfg or LayerConfig(batch=2, seq_len=4096 + 37)
@@ -230,8 +230,8 @@ def _time_or_nan(fn) -> float:
 
 def bench_one(cfg: LayerConfig, keep: torch.Tensor, dtype: torch.dtype, bw: float) -> dict[str, float]:
     """Times (ms) of the dense baselines and of LeanK for one configuration, with LeanK's byte floor."""
-    from leank_infer.layout import DecodeMasks
-    from leank_infer.triton_decode import triton_decode_attention
+    from leank_infer.decode.layout import DecodeMasks
+    from leank_infer.decode.triton_decode import triton_decode_attention
 
     item = torch.empty((), dtype=dtype).element_size()
     (q, k, v, _), args = build_inputs(cfg, keep, dtype)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/kernel.py needs a CUDA GPU (torch.cuda.is_available() is False); "
               "the kernel's CPU tests are tests/test_triton_decode.py", file=sys.stderr)  # fmt: skip
         return 2
-    from leank_infer.triton_decode import HAS_TRITON, kernels_interpreted
+    from leank_infer.decode.triton_decode import HAS_TRITON, kernels_interpreted
 
     if not HAS_TRITON or kernels_interpreted():
         print("benchmarks/kernel.py needs triton, compiled (unset TRITON_INTERPRET)", file=sys.stderr)

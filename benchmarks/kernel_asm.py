@@ -1,6 +1,6 @@
 """What the compiled LeanK decode kernels do with memory, read off their code without a GPU.
 
-Compiles the two kernels of ``leank_infer/triton_decode.py`` for a Hopper GPU (sm_90: H100/H200)
+Compiles the two kernels of ``leank_infer/decode/triton_decode.py`` for a Hopper GPU (sm_90: H100/H200)
 exactly as a launch specialises them: triton's own binder sees real tensors of
 ``benchmarks/kernel.py``'s problem (Llama-3.1-8B heads, a ratio 0.7 / align 32 mask, batch 2 x 4k),
 so pointer alignment, unit strides and divisible lengths are what a GPU run would give; a stand-in
@@ -72,7 +72,7 @@ def compile_kernels(dtype: torch.dtype, softcap: float | None = None) -> dict[st
     import kernel as bench
     from triton.runtime import driver
 
-    from leank_infer import triton_decode as td
+    from leank_infer.decode import triton_decode as td
 
     if td.kernels_interpreted():
         raise SystemExit("kernel_asm.py compiles for a GPU: unset TRITON_INTERPRET")

@@ -1,8 +1,8 @@
 """leank_infer: LeanK masks and decoding for transformers (no training dependencies)."""
 
-from .layer_handoff import LeanKCacheError
-from .loading import EMBEDDED_MODEL_ID, BaseModelError, load_base_model
+from .decode.layer_handoff import LeanKCacheError
 from .mask import ChannelMask, MaskError
+from .model.loading import EMBEDDED_MODEL_ID, BaseModelError, load_base_model
 
 __all__ = [
     "ChannelMask",
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LeanKModel pulls in the cache and attention code; load it on first use.
     if name == "LeanKModel":
-        from .model import LeanKModel
+        from .model.leank_model import LeanKModel
 
         return LeanKModel
     raise AttributeError(f"module 'leank_infer' has no attribute {name!r}")

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from .cache import dynamic_cache_bytes
 from .cli_types import fraction, positive_int, positive_int_list
-from .generation import CACHE_KWARG
-from .loading import BaseModelError, load_base_model, load_mask_base_model
+from .decode.cache import dynamic_cache_bytes
 from .mask import ChannelMask, MaskError, model_positions, model_shape
-from .model import LeanKModel
+from .model.generation import CACHE_KWARG
+from .model.leank_model import LeanKModel
+from .model.loading import BaseModelError, load_base_model, load_mask_base_model
 
 DEFAULT_MASK = Path("hub") / "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,8 +73,8 @@ def estimate_main(model_id: str, ratio: float, zero_heads: float, dtype: torch.d
     """Print K/V bytes per token dense vs LeanK for ``model_id``'s config (no weights are loaded)."""
     from transformers import AutoConfig
 
-    from .estimate import estimate_kv_bytes
-    from .hub_names import repo_id_problem
+    from .folders.names import repo_id_problem
+    from .mask.estimate import estimate_kv_bytes
 
     if not Path(model_id).is_dir() and repo_id_problem(model_id):
         raise BaseModelError(f"--estimate {model_id[:200]!r}: not a model folder, and {repo_id_problem(model_id)}")
@@ -172,12 +172,12 @@ def _main(argv: list[str] | None, prog: str) -> int:
                    help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
     p.add_argument("--capacity", metavar="GIB[,GIB]", default=None,
                    help="only print, for the mask and these GPU memory sizes, KV GiB per sequence and the largest "
-                        "batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.capacity)")
+                        "batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.mask.capacity)")
     p.add_argument("--weights-gib", type=float, default=None,
                    help="with --capacity: GiB of model weights (default: the mask's recorded base-model size)")
     args = p.parse_args(argv)
     if args.capacity:
-        from .capacity import capacity_main
+        from .mask.capacity import capacity_main
 
         try:
             gibs = [float(x) for x in args.capacity.split(",")]
@@ -274,19 +274,14 @@ def _main(argv: list[str] | None, prog: str) -> int:
             )
             rows.append({"context": ctx, "batch": batch, "dense_ms": dense["step_ms"], "leank_ms": leank["step_ms"]})
     if args.plot:
-        from .plots import plot_decode_time
+        from .hub.plots import plot_decode_time
 
         plot_decode_time(rows, args.plot, command)
         print(f"plot: {args.plot}")
         if args.card and args.mask and Path(args.mask).is_dir():
-            import shutil
+            from .hub.card import write_model_card
 
-            from .card import write_model_card
-
-            target = Path(args.mask) / args.plot.name
-            if target.resolve() != args.plot.resolve():
-                shutil.copyfile(args.plot, target)
-            write_model_card(args.mask, figures={args.plot.name: command})
+            write_model_card(args.mask, figures={args.plot.name: command}, figure_files=[args.plot])
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes "
         "held; alloc ratio = LeanK storage reserved (its preallocated spare slots included) / dense"

@@ -57,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from transformers import DynamicCache
 
-    from .cache import dynamic_cache_bytes
-    from .generation import CACHE_KWARG
-    from .loading import BaseModelError
+    from .decode.cache import dynamic_cache_bytes
     from .mask import MaskError, model_positions
-    from .model import LeanKModel
+    from .model.generation import CACHE_KWARG
+    from .model.leank_model import LeanKModel
+    from .model.loading import BaseModelError
 
     try:
         lk = LeanKModel.from_pretrained(args.mask, revision=args.revision, dtype=DTYPES[args.dtype])

@@ -25,7 +25,8 @@ def push_main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-    from .hub import check_push_target, push_mask
+    from .hub.publish import push_mask
+    from .hub.transfer import check_push_target
 
     try:
         check_push_target(args.repo_id, args.revision)
@@ -34,7 +35,7 @@ def push_main(argv: Sequence[str]) -> int:
             if not (Path(args.folder) / name).is_file():
                 print(
                     f"leank push: note: {args.folder} has no {name} "
-                    "(write the card and plot with leank_infer.card.write_model_card)",
+                    "(write the card and plot with leank_infer.hub.card.write_model_card)",
                     file=sys.stderr,
                 )
         info = push_mask(
@@ -60,7 +61,7 @@ def pull_main(argv: Sequence[str]) -> int:
     p.add_argument("--revision", default=None, help="branch, tag or full commit id (default: main)")
     p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: HF_HUB_CACHE)")
     args = p.parse_args(argv)
-    from .hub import resolve_mask_dir
+    from .hub.transfer import resolve_mask_dir
 
     kwargs = {"cache_dir": args.cache_dir} if args.cache_dir else {}
     try:

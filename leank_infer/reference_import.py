@@ -198,7 +198,7 @@ def import_reference_mask(
     mask = reference_mask(keep, base_model, source, known.get("base_model_parameters"))
 
     def write(folder: Path) -> None:
-        from .card import write_model_card
+        from .hub.card import write_model_card
 
         mask.save_pretrained(folder)
         shutil.copyfile(lic, folder / "LICENSE")

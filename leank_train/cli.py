@@ -27,15 +27,15 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from leank_infer.loading import BaseModelError
 from leank_infer.mask import MaskError
+from leank_infer.model.loading import BaseModelError
 
 from .data import NeedleDataModule
+from .distill.finite import NonFiniteError
+from .distill.module import LeanKDistillation
 from .errors import RecipeError
 from .evaluate import EvalSettings
 from .export import ExportMask
-from .finite import NonFiniteError
-from .module import LeanKDistillation
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 

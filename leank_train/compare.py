@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leank_infer.card import EVAL_FILE
+from leank_infer.hub.card import EVAL_FILE
 from leank_infer.mask import ChannelMask, MaskError
 
 from .errors import RecipeError

@@ -32,9 +32,9 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
-from leank_infer.card import write_model_card
 from leank_infer.cli_types import positive_int
-from leank_infer.generation import CACHE_KWARG
+from leank_infer.hub.card import write_model_card
+from leank_infer.model.generation import CACHE_KWARG
 
 from .errors import RecipeError
 from .ruler import TASKS, Probe, build_probes, chat_ids, correct, haystack_sentences
@@ -109,7 +109,7 @@ _PROBE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa (or, for soft-capped models such as Gemma 2, which sdpa refuses, the exact soft-capped
     attention), recording each layer's post-RoPE queries and keys (for the ThinK baseline)."""
-    from leank_infer.attention import dense_attention
+    from leank_infer.decode.attention import dense_attention
 
     _PROBE[module.layer_idx] = (query.detach(), key.detach())
     return dense_attention(module, query, key, value, attention_mask, **kwargs)
@@ -193,7 +193,7 @@ class EvalSettings:
 
 
 def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
-    """Evaluation results in the shape ``leank_infer.card.build_card`` puts in the model index.
+    """Evaluation results in the shape ``leank_infer.hub.card.build_card`` puts in the model index.
 
     Suite results give one row per (task, length, method), whose dataset name says the task and length and
     whose metric name says the method (also as ``dataset_args`` / ``metric_config``; the Hub groups a
@@ -523,8 +523,8 @@ def main(argv: Sequence[str]) -> int:
 
 def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from leank_infer import LeanKModel
+    from leank_infer.hub.plots import plot_accuracy, plot_ratio_sweep
     from leank_infer.mask import model_positions
-    from leank_infer.plots import plot_accuracy, plot_ratio_sweep
 
     cmd = "leank eval " + " ".join(argv)
     if args.quick:
@@ -562,9 +562,9 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             plot_accuracy(res, args.plot, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures)
+            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[args.plot] if args.plot else ())
     if args.card and len(args.mask) > 1:
-        from leank_infer.card import EVAL_FILE
+        from leank_infer.hub.card import EVAL_FILE
 
         for path, row in zip(args.mask, res["masks"], strict=True):
             figures = {args.plot.name: cmd} if args.plot else {}
@@ -574,14 +574,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
                 if "tasks" in row:
                     rows = card_results({**row, "methods": ["full", "leank"]}, cmd)
-            write_model_card(path, rows, figures=figures)
-    if args.card and args.plot:
-        import shutil
-
-        for path in args.mask:
-            target = Path(path) / args.plot.name
-            if Path(path).is_dir() and target.resolve() != args.plot.resolve():
-                shutil.copyfile(args.plot, target)
+            write_model_card(path, rows, figures=figures, figure_files=[args.plot] if args.plot else ())
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:

@@ -3,7 +3,7 @@
 The folder is written next to its target under a temporary name and swapped into place
 (:func:`leank_infer.mask.write_mask_folder`), so a reader never sees half a mask repo; an older
 mask repo at the target is replaced only once the new one is complete, model card and pattern
-plot (``leank_infer.card``) included, and nothing but an empty folder or a mask repo is replaced.
+plot (``leank_infer.hub.card``) included, and nothing but an empty folder or a mask repo is replaced.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import lightning as L
 
-from leank_infer.card import write_model_card
-from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
+from leank_infer.hub.card import write_card_files
 from leank_infer.mask import ChannelMask, check_mask_target, write_mask_folder
+from leank_infer.model.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
 
 
 def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: dict | None = None) -> Path:
@@ -28,7 +28,7 @@ def write_mask_repo(mask: ChannelMask, folder: str | os.PathLike, eval_results: 
 
     def fill(tmp: Path) -> None:
         mask.write_files(tmp)
-        write_model_card(tmp, eval_results, repo=str(folder))
+        write_card_files(tmp, eval_results, repo=str(folder))
 
     return write_mask_folder(folder, fill)
 

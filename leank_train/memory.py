@@ -2,7 +2,7 @@
 
 Why: before renting GPUs for a 32k-128k run, a user wants to know whether one step fits and what
 sequence parallelism or activation checkpointing buys. The terms follow the step of
-:mod:`leank_train.module` (teacher prefill without grad that records the context K/V, then the
+:mod:`leank_train.distill.module` (teacher prefill without grad that records the context K/V, then the
 answer tokens with grad against it); each is a dominant term, not an allocator trace:
 
 - weights: ``params x bytes`` (FSDP divides it by the number of ranks that shard the model);
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from leank_infer.mask.kv_bytes import dense_token_bytes
 
 GiB = 1024**3
 
@@ -93,7 +95,7 @@ def estimate_step_memory(
     if kv_heads % w:
         raise ValueError(f"sequence_parallel={w} must divide the {kv_heads} KV heads")
     local = -(-context // w)
-    kv_per_token_layer = 2 * kv_heads * head_dim * b // w
+    kv_per_token_layer = dense_token_bytes(1, kv_heads, head_dim, b) // w
     weights = count_params(cfg) * b / fsdp_shards
     kv = kv_per_token_layer * context * layers
     teacher = local * (3 * inter + 4 * hidden + (heads + 2 * kv_heads) * head_dim) * b

@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +32,8 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 
+from leank_infer.folders.atomic import write_file
+from leank_infer.hub.publish import push_folder
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
 from .cli import one_line_errors, read_recipe, run_cli
@@ -165,11 +166,7 @@ def run_stage(
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    write_file(path, json.dumps(data))
 
 
 def _training_loss(folder: str) -> float | None:
@@ -227,7 +224,7 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
     if settings.enabled:
         _evaluate_into_card(out_dir, settings)
     if cfg.get("push_to_hub"):
-        info = ChannelMask.from_dir(out_dir).push_to_hub(cfg["push_to_hub"], folder=out_dir)
+        info = push_folder(out_dir, cfg["push_to_hub"])
         print(f"[leank run] pushed to {info}", flush=True)
     if cfg.get("compare_to"):
         print(format_comparison(MaskSnapshot.read(out_dir), references[cfg["compare_to"]]), flush=True)
@@ -237,7 +234,7 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
 def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
     """``leank eval`` on the exported mask; its table goes into the model card, with the command."""
     from leank_infer import LeanKModel
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     start = time.perf_counter()
     lm = LeanKModel.from_pretrained(out_dir)

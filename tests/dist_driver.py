@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from leank_train.data import NeedleDataModule
-from leank_train.module import LeanKDistillation
+from leank_train.distill.module import LeanKDistillation
 
 warnings.filterwarnings("ignore")
 

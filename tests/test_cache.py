@@ -10,12 +10,12 @@ from conftest import documented_recent_from
 from torch import nn
 from transformers.masking_utils import sdpa_mask
 
-from leank_infer.attention import leank_attention_forward
-from leank_infer.cache import LeanKCache, LeanKLayer
-from leank_infer.generation import CACHE_KWARG
-from leank_infer.layout import ChannelGroups
+from leank_infer.decode.attention import leank_attention_forward
+from leank_infer.decode.cache import LeanKCache, LeanKLayer
+from leank_infer.decode.layout import ChannelGroups
+from leank_infer.decode.masked_attention import leank_attention
 from leank_infer.mask import ChannelMask
-from leank_infer.masked_attention import leank_attention
+from leank_infer.model.generation import CACHE_KWARG
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,7 +145,7 @@ def test_decode_equals_dense_leank_rule(lengths):
 def test_fast_and_general_torch_paths_follow_the_rule(monkeypatch, path, keep):
     """The PyTorch backend's fused path (one query, nothing to mask) and its general path each equal the
     rule; the general one is forced here, the fast one checked to have run."""
-    from leank_infer import torch_decode
+    from leank_infer.decode import torch_decode
 
     used = []
     real = torch_decode.fast_path_applies

@@ -19,7 +19,7 @@ def _mask_dir(tmp_path, base="HuggingFaceTB/SmolLM2-135M-Instruct"):
 def test_card_metadata_and_body(tmp_path):
     from huggingface_hub import ModelCard
 
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     mask = _mask_dir(tmp_path)
     results = [{"dataset": "needle-2k", "value": 0.75, "command": "leank eval hub/x"}]
@@ -43,7 +43,7 @@ def test_card_metadata_and_body(tmp_path):
 def test_card_without_results_or_known_license(tmp_path):
     from huggingface_hub import ModelCard
 
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     _mask_dir(tmp_path, base="someone/unknown-model")
     write_model_card(tmp_path, repo="someone/leank-mask")
@@ -54,7 +54,7 @@ def test_card_without_results_or_known_license(tmp_path):
 
 def test_card_names_what_the_mask_was_learned_on(tmp_path):
     """Revision, PEFT adapter and config overrides (YaRN) appear in the card; a plain mask's card has no such list."""
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     _mask_dir(tmp_path / "plain")
     write_model_card(tmp_path / "plain")
@@ -74,7 +74,7 @@ def test_card_names_what_the_mask_was_learned_on(tmp_path):
 def test_card_refuses_a_folder_without_mask(tmp_path):
     import pytest
 
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     with pytest.raises(MaskError, match="missing"):
         write_model_card(tmp_path)
@@ -87,7 +87,7 @@ def test_card_usage_snippet_runs_as_written(tmp_path, capsys):
 
     from test_model import tiny_repo
 
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     mask_dir, _ = tiny_repo(tmp_path)
     write_model_card(mask_dir, repo=str(mask_dir))

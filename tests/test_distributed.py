@@ -20,7 +20,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 
 from leank_train.data import collate_needles, load_tokenizer
-from leank_train.module import LeanKDistillation
+from leank_train.distill.module import LeanKDistillation
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_config
 
 from leank_infer import ChannelMask
-from leank_infer.estimate import estimate_kv_bytes, global_layers
+from leank_infer.mask import dense_layers_of
+from leank_infer.mask.estimate import estimate_kv_bytes
 
 
 def test_estimate_matches_the_formula_for_llama_8b_shapes():
@@ -33,8 +34,7 @@ def test_sliding_layers_stay_dense():
 
     cfg = Gemma2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        hidden_size=64, intermediate_size=64, vocab_size=64)
-    flags = global_layers(cfg)
-    assert flags.count(False) == 2 and flags.count(True) == 2
+    assert dense_layers_of(cfg) == (0, 2)
     e = estimate_kv_bytes(cfg, ratio=0.5)
     per_layer = 2 * 2 * 16 * 2
     assert e["leank_bytes_per_token"] == 2 * per_layer + 2 * (2 * 16 * 2) * (0.5 + 1.0)
@@ -70,12 +70,9 @@ SLIDING_CASES = {
 @pytest.mark.parametrize("case", sorted(SLIDING_CASES))
 def test_one_rule_for_which_layers_slide(case):
     """The estimate and the mask (validate, binarize, training) agree on the sliding layers of every family."""
-    from leank_infer.mask import dense_layers_of
-
     family, overrides, sliding = SLIDING_CASES[case]
     cfg = tiny_config(family, **overrides)
     assert dense_layers_of(cfg) == sliding
-    assert global_layers(cfg) == [i not in sliding for i in range(cfg.num_hidden_layers)]
     e = estimate_kv_bytes(cfg, ratio=0.5)
     assert e["global_layers"] == cfg.num_hidden_layers - len(sliding)
     per_layer = 2 * 2 * 16 * 2  # K+V, 2 KV heads, head_dim 16, bf16

@@ -73,7 +73,7 @@ def test_eval_cli_plot_and_card_keep_earlier_results(tmp_path, capsys):
     card = (mask_dir / "README.md").read_text()
     assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card
     # a later figure-only card write (e.g. a ratio sweep) keeps the results table
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     write_model_card(mask_dir, figures={"other.png": "leank eval x y"})
     card = (mask_dir / "README.md").read_text()

@@ -16,13 +16,13 @@ from conftest import FAMILIES, MORE_FAMILIES, documented_recent_from, tiny_confi
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from leank_infer import ChannelMask, LeanKModel, MaskError
-from leank_infer.attention import softcapped_attention
-from leank_infer.backend import decode_attention
-from leank_infer.cache import LeanKLayer
-from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks
+from leank_infer.decode.attention import softcapped_attention
+from leank_infer.decode.backend import decode_attention
+from leank_infer.decode.cache import LeanKLayer
+from leank_infer.decode.layout import ChannelGroups, DecodeLayout, DecodeMasks
+from leank_infer.decode.torch_decode import torch_decode_attention
 from leank_infer.mask import binarize, dense_layers_of
-from leank_infer.torch_decode import torch_decode_attention
-from leank_train.student_attention import StudentState
+from leank_train.distill.student_attention import StudentState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +55,7 @@ def reference_steps(model, ids: torch.Tensor, n_prompt: int, mask: ChannelMask, 
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from leank_train.student_attention import TeacherState, leank_student_attention
+    from leank_train.distill.student_attention import TeacherState, leank_student_attention
 
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -223,7 +223,7 @@ def test_dispatch_honours_softcap():
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
 def test_all_sliding_model_is_refused_for_training(family):
     """Every layer sliding with a window that bites (Mistral v0.1, Phi-3-mini-4k): no global layer, one clear error."""
-    from leank_train.module import LeanKDistillation
+    from leank_train.distill.module import LeanKDistillation
 
     model = tiny_model(family, sliding_window=16)
     assert dense_layers_of(model.config) == (0, 1)
@@ -283,7 +283,7 @@ TRAIN = dict(sink_size=4, recent_size=8, align=4, ratio=0.5, lr=0.2, reg_weight=
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_train_export_and_decode(family, datamodule, tmp_path):
     """A short fit learns alpha on the global layers only, exports a mask, and that mask decodes like the rule."""
-    from leank_train.module import LeanKDistillation
+    from leank_train.distill.module import LeanKDistillation
 
     model = tiny_model(family, vocab_size=49152)  # the embedded tokenizer's vocabulary
     module = LeanKDistillation.for_model(model, **TRAIN)
@@ -325,7 +325,7 @@ def test_lora_adapter_train_export_load_decode(datamodule, tmp_path):
     """A recipe naming base model + adapter learns on the adapted model; from_pretrained loads the same pair."""
     import json
 
-    from leank_train.module import LeanKDistillation
+    from leank_train.distill.module import LeanKDistillation
 
     base = tiny_model("llama", vocab_size=49152)
     base.save_pretrained(tmp_path / "base")
@@ -361,7 +361,7 @@ def test_pickled_or_prompt_learning_adapters_are_refused(tmp_path):
     from peft import PromptTuningConfig, get_peft_model
 
     from leank_infer import BaseModelError
-    from leank_infer.loading import apply_adapter
+    from leank_infer.model.loading import apply_adapter
 
     base = tiny_model("llama")
     _lora_adapter(base, tmp_path / "lora", safe_serialization=False)
@@ -408,7 +408,7 @@ def test_recipe_names_an_adapter(capsys):
 def test_config_overrides_train_export_load(datamodule, tmp_path):
     """A mask trained on a YaRN-extended base model records the override, and from_pretrained
     decodes the model it was learned on (not the base model's own RoPE)."""
-    from leank_train.module import LeanKDistillation
+    from leank_train.distill.module import LeanKDistillation
 
     base = tiny_model("llama", vocab_size=49152)
     base.save_pretrained(tmp_path / "base")

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 from leank_train.data import DEFAULT_TEMPLATES, NOISE, NeedleDataModule
-from leank_train.finite import NonFiniteError
-from leank_train.module import LeanKDistillation
+from leank_train.distill.finite import NonFiniteError
+from leank_train.distill.module import LeanKDistillation
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -410,8 +410,8 @@ def test_tampered_mask_file(tmp_path, tamper):
 
 
 def test_config_overrides_are_checked_before_training():
+    from leank_train.distill.module import LeanKDistillation
     from leank_train.errors import RecipeError
-    from leank_train.module import LeanKDistillation
 
     with pytest.raises(RecipeError, match="model.config_overrides must be a JSON object"):
         LeanKDistillation(config_overrides=["rope_parameters"])

@@ -17,8 +17,8 @@ from test_model import dense_two_turns, full_mask, hf_generate, prompt, random_m
 from transformers import DynamicCache, GenerationConfig, pipeline
 
 from leank_infer import LeanKModel
-from leank_infer.cache import LeanKCache, dynamic_cache_bytes
-from leank_infer.generation import CACHE_KWARG, LeanKCacheError
+from leank_infer.decode.cache import LeanKCache, dynamic_cache_bytes
+from leank_infer.model.generation import CACHE_KWARG, LeanKCacheError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

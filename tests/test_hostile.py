@@ -22,8 +22,8 @@ from test_model import random_mask, tiny_repo
 
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.cli import main as leank
-from leank_infer.loading import BaseModelError, copy_problem, resolve_base_model
 from leank_infer.mask import CONFIG_FILE, MASK_FILE, MaskError
+from leank_infer.model.loading import BaseModelError, copy_problem, resolve_base_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def test_export_replaces_an_older_mask_repo_or_an_empty_folder(tmp_path):
 
 
 def test_without_an_atomic_exchange_the_swap_still_replaces_whole(tmp_path, monkeypatch):
-    import leank_infer.folder_swap as swap
+    import leank_infer.folders.atomic as swap
 
     monkeypatch.setattr(swap, "_exchange", lambda a, b: False)  # a file system without renameat2's exchange
     random_mask(seed=1).save_pretrained(tmp_path / "m")
@@ -539,7 +539,7 @@ def test_a_malicious_checkpoint_is_refused_in_one_line(tmp_path, capsys):
 def test_a_truncated_cached_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
     from conftest import tiny_model
 
-    import leank_infer.loading as loading
+    import leank_infer.model.loading as loading
 
     monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "pkg" / "tiny.gguf"

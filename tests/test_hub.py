@@ -41,7 +41,7 @@ def assert_same(a: ChannelMask, b: ChannelMask) -> None:
 @pytest.fixture(scope="module")
 def card_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A full mask repo folder (mask, config, card, plot), written once per module."""
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     folder = tmp_path_factory.mktemp("mask-repo")
     make_mask(0).save_pretrained(folder)
@@ -323,7 +323,7 @@ def test_missing_file_is_named(hub: FakeHub) -> None:
 def test_card_metadata_survives_the_round_trip(hub: FakeHub, folder: Path) -> None:
     from huggingface_hub import ModelCard
 
-    from leank_infer.hub import resolve_mask_dir
+    from leank_infer.hub.transfer import resolve_mask_dir
 
     ChannelMask.from_dir(folder).push_to_hub(REPO, folder=folder)
     local = ModelCard.load(folder / "README.md")

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from leank_infer import BaseModelError, load_base_model
-from leank_infer.loading import EMBEDDED_LOADER, embedded_gguf_path, resolve_base_model
+from leank_infer.model.loading import EMBEDDED_LOADER, embedded_gguf_path, resolve_base_model
 
 
 def test_embedded_gguf_is_found_without_importing_the_package():
@@ -21,7 +21,7 @@ def test_embedded_gguf_is_found_without_importing_the_package():
 def test_loader_hint_prefers_the_embedded_copy(tmp_path, monkeypatch):
     monkeypatch.setenv("LEANK_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr("leank_infer.loading._embedded_copy", lambda gguf: calls.append(gguf) or tmp_path)
+    monkeypatch.setattr("leank_infer.model.loading._embedded_copy", lambda gguf: calls.append(gguf) or tmp_path)
     src, extra = resolve_base_model("HuggingFaceTB/SmolLM2-135M-Instruct", EMBEDDED_LOADER)
     assert src == str(tmp_path) and extra == {} and calls[0].name == EMBEDDED_LOADER["gguf_file"]
     # without the hint, a Hub id stays a Hub id, and a gguf_file hint is forwarded

@@ -139,7 +139,7 @@ def test_repo_ids_and_revisions_fail_cleanly_offline(repo_id, revision):
     import os
     from unittest import mock
 
-    from leank_infer.hub_names import revision_problem
+    from leank_infer.folders.names import revision_problem
 
     if revision is not None and revision_problem(revision) is None:
         # an accepted revision names a ref inside refs/ and a snapshot inside snapshots/

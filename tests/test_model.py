@@ -12,8 +12,8 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from leank_infer import ChannelMask, LeanKModel, MaskError
-from leank_infer.cache import LeanKCache, dynamic_cache_bytes
-from leank_infer.generation import CACHE_KWARG, cache_kwargs
+from leank_infer.decode.cache import LeanKCache, dynamic_cache_bytes
+from leank_infer.model.generation import CACHE_KWARG, cache_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,7 +165,7 @@ def _first_step_rule_attention(mask: ChannelMask):
     """An attention function: dense for every query but the last, which follows the LeanK rule over full K/V
     (middle keys scored with the kept channels only; a zero head skips them). Over a prompt + one token this
     is what the first decode step after that prompt's prefill must compute (LEANK.md), from positions alone."""
-    from leank_infer.masked_attention import leank_attention
+    from leank_infer.decode.masked_attention import leank_attention
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scaling = module.scaling if scaling is None else scaling

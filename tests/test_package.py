@@ -11,8 +11,8 @@ TRAIN_DEPS = ("lightning", "pytorch_lightning", "datasets", "torchmetrics", "pef
 def test_leank_infer_imports_no_training_dependency():
     code = (
         "import sys, leank_infer; from leank_infer import ChannelMask, LeanKModel, load_base_model\n"
-        "import leank_infer.hub, leank_infer.loading, leank_infer.masked_attention\n"
-        "import leank_infer.reference_import, leank_infer.capacity\n"
+        "import leank_infer.hub.transfer, leank_infer.model.loading, leank_infer.decode.masked_attention\n"
+        "import leank_infer.reference_import, leank_infer.mask.capacity\n"
         f"bad = [m for m in {TRAIN_DEPS!r} if m in sys.modules]\n"
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -36,7 +36,7 @@ def test_leank_infer_does_not_import_the_vllm_plugin():
     """leank_infer.vllm is for vLLM's entry point (or a user) only: the light package never pulls it or vLLM in."""
     code = (
         "import sys, leank_infer; from leank_infer import LeanKModel, ChannelMask\n"
-        "import leank_infer.cli, leank_infer.cache, leank_infer.model\n"
+        "import leank_infer.cli, leank_infer.decode.cache, leank_infer.model.leank_model\n"
         "bad = [m for m in ('vllm', 'leank_infer.vllm') if m in sys.modules]\n"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -64,7 +64,7 @@ def test_stage2_anneals_the_ratio_and_exports_at_the_target(datamodule, tmp_path
 
 
 def test_ratio_start_is_checked():
-    from leank_train.module import LeanKDistillation
+    from leank_train.distill.module import LeanKDistillation
 
     with pytest.raises(ValueError, match="ratio_start"):
         LeanKDistillation(stage=2, init_scores="x", ratio_start=1.5)
@@ -76,7 +76,7 @@ def test_eval_sweep_cli_table_plot_json_and_cards(tmp_path, capsys):
     other = ChannelMask.from_scores(torch.rand(base.keep.shape, generator=torch.Generator().manual_seed(5)), 0.75, 4,
                                     sink_size=4, recent_size=8, accumu_size=4, base_model=base.base_model)
     other_dir = other.save_pretrained(tmp_path / "mask75")
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
 
     write_model_card(other_dir, [{"dataset": "earlier eval", "metric": "accuracy (think)", "value": 0.25}])
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"

@@ -29,9 +29,9 @@ import torch
 from test_families import reference_steps
 
 from leank_infer import ChannelMask, LeanKModel
-from leank_infer.capacity import GiB, capacity_rows, capacity_table, sequence_kv_bytes
 from leank_infer.cli import main as cli
 from leank_infer.mask import dense_layers_of, model_shape
+from leank_infer.mask.capacity import GiB, capacity_rows, capacity_table, sequence_kv_bytes
 from leank_infer.reference_import import KNOWN_RELEASES, REFERENCE_SIZES, import_reference_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +255,7 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
-    import leank_infer.card as card
+    import leank_infer.hub.card as card
 
     src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
 
@@ -428,8 +428,8 @@ def test_recipe_settings_train_on_real_heads(tmp_path):
     import yaml
 
     from leank_train.data import NeedleDataModule, load_tokenizer
+    from leank_train.distill.module import LeanKDistillation
     from leank_train.export import ExportMask
-    from leank_train.module import LeanKDistillation
 
     recipe = yaml.safe_load((ROOT / "recipes" / "llama-3.1-8b.yaml").read_text())
     settings = {k: recipe["model"][k] for k in ("dtype", "ratio", "align", "activation_checkpointing", "min_lr_ratio")}

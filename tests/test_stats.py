@@ -62,7 +62,7 @@ def test_card_model_index_has_one_result_per_task_length_and_method(tmp_path):
     from huggingface_hub import ModelCard
 
     from leank_infer import ChannelMask
-    from leank_infer.card import write_model_card
+    from leank_infer.hub.card import write_model_card
     from leank_train.evaluate import card_results, format_table
 
     rows = _answers() + [{**r, "length": 200} for r in _answers()]

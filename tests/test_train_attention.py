@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from leank_infer.mask import binarize
-from leank_train.module import LeanKDistillation, binary_ste
+from leank_train.distill.module import LeanKDistillation, binary_ste
 
 SINK, RECENT = 4, 8
 

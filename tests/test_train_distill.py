@@ -13,7 +13,7 @@ from conftest import tiny_model
 from safetensors.torch import save_file
 
 from leank_infer.mask import binarize
-from leank_train.module import LeanKDistillation
+from leank_train.distill.module import LeanKDistillation
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -13,8 +13,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from leank_infer.mask import ChannelMask
 from leank_train.data import NeedleDataModule, load_tokenizer
+from leank_train.distill.module import LeanKDistillation
 from leank_train.export import ExportMask
-from leank_train.module import LeanKDistillation
 
 # the frozen base model is in eval mode on purpose
 pytestmark = pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")

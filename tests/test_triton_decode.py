@@ -26,10 +26,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from leank_infer import backend as bk  # noqa: E402
-from leank_infer import triton_decode as td  # noqa: E402
-from leank_infer.layout import ChannelGroups, DecodeLayout, DecodeMasks  # noqa: E402
-from leank_infer.torch_decode import torch_decode_attention  # noqa: E402
+from leank_infer.decode import backend as bk  # noqa: E402
+from leank_infer.decode import triton_decode as td  # noqa: E402
+from leank_infer.decode.layout import ChannelGroups, DecodeLayout, DecodeMasks  # noqa: E402
+from leank_infer.decode.torch_decode import torch_decode_attention  # noqa: E402
 
 
 def _keep(counts: list[int], d: int, gen: torch.Generator) -> torch.Tensor:
@@ -196,7 +196,7 @@ def test_trivial_masks():
 def test_real_cache_layer_layout():
     """The views of a LeanKLayer (preallocated storage, partly used) after a left-padded prefill and a
     few steps, with its masks, as the model passes them."""
-    from leank_infer.cache import LeanKLayer
+    from leank_infer.decode.cache import LeanKLayer
 
     gen = torch.Generator().manual_seed(7)
     b, hkv, g, d, total = 2, 3, 2, 32, 60
@@ -357,7 +357,7 @@ def test_triton_backend_without_cuda_or_interpreter_raises(monkeypatch):
 def test_import_does_not_import_triton():
     import subprocess
 
-    code = "import sys, leank_infer.triton_decode as td; assert td.HAS_TRITON and 'triton' not in sys.modules"
+    code = "import sys, leank_infer.decode.triton_decode as td; assert td.HAS_TRITON and 'triton' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -367,7 +367,7 @@ def test_module_imports_without_triton():
 
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "import leank_infer.triton_decode as td; assert not td.HAS_TRITON and not td.kernels_interpreted()"
+        "import leank_infer.decode.triton_decode as td; assert not td.HAS_TRITON and not td.kernels_interpreted()"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

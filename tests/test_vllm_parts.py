@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from leank_infer import MaskError
-from leank_infer.cache import LeanKLayer
-from leank_infer.rule import recent_from
+from leank_infer.decode.cache import LeanKLayer
+from leank_infer.decode.rule import recent_from
 from leank_infer.vllm.layout import PackedLayout
 from leank_infer.vllm.settings import ENV_MASK, LeanKSettings, settings_from
 

@@ -10,7 +10,7 @@ settings every layer is vLLM's own CPU attention, unchanged. With one, each full
 - prefill: attends with every channel (SDPA over the prompt's own K/V), then stores the packed
   rows in the pages and the full K/V of the sink and recent tokens in a small per-request side
   store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
-- decode: the LeanK rule (:func:`leank_infer.rule.recent_from`, the core's rule): sink and recent keys
+- decode: the LeanK rule (:func:`leank_infer.decode.rule.recent_from`, the core's rule): sink and recent keys
   with every channel from the side store, middle keys with the kept channels from the pages.
 
 Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
@@ -33,8 +33,8 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from ..decode.rule import recent_from
 from ..mask import ChannelMask, MaskError
-from ..rule import recent_from
 from .layout import PackedLayout
 from .settings import load_checked_mask, settings_from
 

@@ -66,7 +66,7 @@ def settings_from(additional_config: Any) -> LeanKSettings | None:
 
 
 def _same_model_id(a: str | None, b: str | None) -> bool:
-    from ..model import _same_model_id as same
+    from ..model.leank_model import _same_model_id as same
 
     return same(a, b)
 

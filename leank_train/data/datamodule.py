@@ -1,13 +1,7 @@
-"""Synthetic long-context retrieval data (RULER-style needles in a haystack) as a LightningDataModule.
+"""The LightningDataModule: needle samples (``tasks``) over haystacks (``haystack``), tokenised with the
+base model's tokenizer, sampled so that a resumed run continues at the right sample.
 
-Each sample is a chat prompt whose user turn hides needles in a haystack and asks for one of them;
-the label is the one-sentence answer after the assistant turn start. Templates and haystacks are
-parameters, so evaluation can use wordings and texts that training never saw. Samples are a pure
-function of ``(seed, index)``: the same seed gives the same data on every machine.
-
-Haystacks: ``"noise"`` (a repeated filler paragraph), ``"essay"`` (English prose shipping with
-Python, ``pydoc_data.topics``; no download), a local text file or folder of ``*.txt``, or any
-Hub dataset id with a ``text`` column (``datasets.load_dataset``, the user's network).
+Templates and haystacks are parameters, so evaluation can use wordings and texts that training never saw.
 """
 
 from __future__ import annotations
@@ -15,228 +9,30 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import random
-import re
-import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .errors import RecipeError
+from ..errors import RecipeError
+from .haystack import haystack_text
+from .tasks import DEFAULT_TEMPLATES, NeedleSampler, NeedleTemplate, length_grid
 
 # ResumableSampler resumes mid-epoch at the right sample (tests/test_faults.py checks it step by step);
 # Lightning cannot see that from a plain DataLoader and warns on every mid-epoch resume.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-_WORDS = (
-    "amber anchor apple arrow autumn badger bamboo beacon birch blossom breeze candle canyon cedar cherry "
-    "cobalt comet copper coral cricket crystal daisy dawn delta desert dolphin dragon eagle ember falcon "
-    "fern fjord forest garnet glacier granite harbor hazel heron island ivory jasmine juniper lagoon lantern "
-    "lemon lilac lotus maple marble meadow mercury meteor mint nebula nectar oasis ocean olive onyx orchid "
-    "otter panda pearl pepper pine planet plum prairie quartz raven reef river robin saffron sapphire "
-    "shadow silver spruce summit swan thistle thunder tiger topaz tulip valley velvet violet walnut willow"
-).split()
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
-
-
-@dataclass
-class NeedleTemplate:
-    """The wording of one retrieval task; ``{key}``, ``{value}``, ``{values}`` and ``{noun}`` are filled in.
-
-    ``kind="multikey"``: ``num_keys`` keys with one UUID each, one key is asked.
-    ``kind="multivalue"``: one key with ``num_values`` 7-digit numbers, all of them are asked.
-    """
-
-    kind: Literal["multikey", "multivalue"] = "multikey"
-    noun: str = "uuids"
-    intro: str = (
-        "Some special magic {noun} are hidden within the following text. Make sure to memorize it. "
-        "I will quiz you about the {noun} afterwards."
-    )
-    needle: str = "One of the special magic {noun} for {key} is: {value}."
-    question: str = "What is the special magic uuid for {key} mentioned in the provided text?"
-    answer: str = "The special magic uuid for {key} mentioned in the provided text is {value}."
-    num_keys: int = 4
-    num_values: int = 1
-
-
-DEFAULT_TEMPLATES: tuple[NeedleTemplate, ...] = (
-    NeedleTemplate(),
-    NeedleTemplate(
-        kind="multivalue",
-        noun="numbers",
-        question="What are all the special magic numbers for {key} mentioned in the provided text?",
-        answer="The special magic numbers for {key} mentioned in the provided text are {values}.",
-        num_keys=1,
-        num_values=4,
-    ),
-)
-
-
-def essay_text() -> str:
-    """English prose from the Python docs shipped with CPython (``pydoc_data.topics``), code blocks dropped."""
-    from pydoc_data.topics import topics
-
-    paragraphs = []
-    for text in topics.values():
-        for para in re.split(r"\n\s*\n", text):
-            lines = para.splitlines()
-            if not lines or any(line.startswith((" ", "\t")) for line in lines):
-                continue  # indented: code, grammar or a table
-            joined = " ".join(line.strip() for line in lines)
-            letters = sum(c.isalpha() or c == " " for c in joined)
-            if len(joined) > 80 and letters / len(joined) > 0.85 and joined.endswith("."):
-                paragraphs.append(joined)
-    return " ".join(paragraphs)
-
-
-def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
-    """The text of a haystack named by ``spec`` ("noise", "essay", a local path, or a Hub dataset id)."""
-    if spec == "noise":
-        return " ".join([NOISE] * 50)
-    if spec == "essay":
-        return essay_text()
-    path = Path(spec).expanduser()
-    if path.exists():
-        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-        if not files:
-            raise RecipeError(f"haystack folder {path} holds no *.txt file")
-        return " ".join(f.read_text(errors="replace") for f in files)[:max_chars]
-    if _looks_like_path(spec):
-        raise RecipeError(f"haystack {spec!r}: no such file or folder (data.haystacks)")
-    from datasets import load_dataset
-
-    try:
-        ds = load_dataset(spec, split="train", streaming=True)
-    except Exception as e:  # noqa: BLE001 - the Hub/network/format errors of `datasets` are many
-        raise RecipeError(
-            f"haystack {spec!r} is not a local file or folder, and loading it as a Hub dataset failed: "
-            f"{type(e).__name__}: {e}"
-        ) from None
-    parts, size = [], 0
-    for row in ds:
-        text = row.get("text")
-        if not isinstance(text, str):
-            raise ValueError(f"haystack dataset {spec!r} has no string column 'text'")
-        parts.append(text)
-        size += len(text)
-        if size >= max_chars:
-            break
-    return " ".join(parts)[:max_chars]
-
-
-def _looks_like_path(spec: str) -> bool:
-    """Whether a haystack name can only mean a local path (a Hub id is ``name`` or ``owner/name``)."""
-    return (
-        spec.startswith(("/", ".", "~", "\\"))
-        or spec.count("/") > 1
-        or Path(spec).suffix.lower() in (".txt", ".md", ".json", ".jsonl", ".csv", ".parquet")
-    )
-
-
-def length_grid(min_length: int, max_length: int, intervals: int) -> list[int]:
-    """Context lengths (tokens) on an even grid from ``min_length`` to ``max_length``, as the reference samples."""
-    if not 0 < min_length <= max_length:
-        raise ValueError(f"need 0 < min_length <= max_length, got {min_length}, {max_length}")
-    if intervals <= 0 or min_length == max_length:
-        return [min_length]
-    step = (max_length - min_length) / intervals
-    return sorted({round(min_length + i * step) for i in range(intervals + 1)})
-
-
-class NeedleSampler:
-    """Builds one tokenised sample per ``(seed, index)``: haystack, template and length drawn from the index."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        haystacks: dict[str, str],
-        templates: list[NeedleTemplate],
-        lengths: list[int],
-        seed: int,
-        chat: bool | None = None,
-    ) -> None:
-        """``chat``: True wraps prompts in the tokenizer's chat template, False never, None when it has one."""
-        self.tokenizer = tokenizer
-        self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-        self.templates = templates
-        self.lengths = lengths
-        self.seed = seed
-        self.haystacks = {}
-        for name, text in haystacks.items():
-            sentences = [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
-            if not sentences:
-                raise ValueError(f"haystack {name!r} is empty")
-            counts = [len(ids) for ids in tokenizer(sentences, add_special_tokens=False)["input_ids"]]
-            self.haystacks[name] = (sentences, counts)
-
-    def _count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _prompt(self, user: str) -> str:
-        if self.chat:
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-            )
-        return f"{user}\nAnswer: "
-
-    def sample(self, index: int) -> dict[str, Any]:
-        rng = random.Random(f"leank:{self.seed}:{index}")
-        name = sorted(self.haystacks)[rng.randrange(len(self.haystacks))]
-        sentences, counts = self.haystacks[name]
-        tmpl = self.templates[rng.randrange(len(self.templates))]
-        target = rng.choice(self.lengths)
-
-        keys = rng.sample(_WORDS, max(1, tmpl.num_keys))
-        key = keys[0]
-        if tmpl.kind == "multikey":
-            pairs = [(k, str(uuid.UUID(int=rng.getrandbits(128), version=4))) for k in keys]
-            value = pairs[0][1]
-        else:
-            pairs = [(key, str(rng.randint(1_000_000, 9_999_999))) for _ in range(max(1, tmpl.num_values))]
-            value = pairs[0][1]
-        needles = [tmpl.needle.format(noun=tmpl.noun, key=k, value=v) for k, v in pairs]
-        rng.shuffle(needles)
-        values = ", ".join(v for _, v in pairs)
-        question = tmpl.question.format(noun=tmpl.noun, key=key, value=value, values=values)
-        answer = tmpl.answer.format(noun=tmpl.noun, key=key, value=value, values=values)
-        intro = tmpl.intro.format(noun=tmpl.noun)
-
-        overhead = self._count(self._prompt(f"{intro}\n\n\n\n{question}")) + sum(self._count(n) + 1 for n in needles)
-        budget = max(0, target - overhead)
-        start, picked, used = rng.randrange(len(sentences)), [], 0
-        while used < budget:
-            i = (start + len(picked)) % len(sentences)
-            picked.append(sentences[i])
-            used += counts[i] + 1
-        slots = sorted(rng.randint(0, len(picked)) for _ in needles)
-        for offset, (slot, needle) in enumerate(zip(slots, needles, strict=True)):
-            picked.insert(slot + offset, needle)
-        user = f"{intro}\n\n{' '.join(picked)}\n\n{question}"
-        prompt_ids = self.tokenizer(self._prompt(user), add_special_tokens=False)["input_ids"]
-        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return {
-            "input_ids": prompt_ids + answer_ids,
-            "labels": [-100] * len(prompt_ids) + answer_ids,
-            "context_len": len(prompt_ids),
-            "answer": answer,
-            "haystack": name,
-            "template": tmpl.kind,
-        }
 
 
 def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[str, Any] | None = None) -> Any:
     """The base model's tokenizer, resolved like the model (the embedded one works offline)."""
     from transformers import AutoTokenizer
 
-    from leank_infer.loading import resolve_base_model
+    from leank_infer.model.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
     kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
@@ -249,7 +45,7 @@ def model_max_positions(base_model: str, revision: str | None = None, loader: di
     """The base model's ``max_position_embeddings`` from its config alone (no weights), None if it has none."""
     from transformers import AutoConfig
 
-    from leank_infer.loading import resolve_base_model
+    from leank_infer.model.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
     kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
@@ -435,12 +231,3 @@ def collate_needles(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         "context_len": torch.tensor([int(r["context_len"]) for r in rows]),
         "length": torch.tensor([len(r["input_ids"]) for r in rows]),
     }
-
-
-def collate_check(batch: dict[str, torch.Tensor]) -> None:
-    """Raise unless a batch is one sequence whose labels are exactly its tokens after ``context_len``."""
-    ids, labels, ctx = batch["input_ids"], batch["labels"], int(batch["context_len"][0])
-    if ids.shape[0] != 1 or labels.shape != ids.shape:
-        raise ValueError("batches must hold one sequence (batch_size=1) with labels of the same shape")
-    if (labels[0, :ctx] != -100).any() or not torch.equal(labels[0, ctx:], ids[0, ctx:]):
-        raise ValueError("labels must be -100 on the context and equal the answer tokens after it")

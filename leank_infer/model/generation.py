@@ -5,7 +5,7 @@ overrides when it needs a cache of its own (t5gemma, voxtral_realtime, ... do). 
 gives one model object that override, so whoever calls its ``generate`` (``LeanKModel.generate``,
 ``model.generate``, ``pipeline("text-generation", model=model)``, a generation config saved and
 reloaded, a second turn, assisted decoding) decodes over a fresh
-:class:`~leank_infer.cache.LeanKCache` without passing one. Where ``generate`` would decode dense
+:class:`~leank_infer.decode.cache.LeanKCache` without passing one. Where ``generate`` would decode dense
 instead, it stops with a :class:`LeanKCacheError` saying what to do:
 
 - a cache of another kind passed in (a ``DynamicCache``, a dense first turn's cache),
@@ -27,11 +27,11 @@ from typing import Any
 
 from transformers.generation import utils as _generation_utils
 
-from .attention import ATTN_IMPLEMENTATION
-from .cache import LeanKCache
-from .layer_handoff import LeanKCacheError
-from .layout import row_starts
-from .mask import ChannelMask
+from ..decode.attention import ATTN_IMPLEMENTATION
+from ..decode.cache import LeanKCache
+from ..decode.layer_handoff import LeanKCacheError
+from ..decode.layout import row_starts
+from ..mask import ChannelMask
 
 __all__ = ["CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "uninstall"]
 
@@ -120,7 +120,7 @@ def install(model: Any, mask: ChannelMask, dense_until: int = 0) -> None:
     mask must already be checked against the model (``mask.validate(model.config)``). The attention
     implementation the model had is kept for :func:`dense_decoding`.
     """
-    from .attention import register
+    from ..decode.attention import register
 
     register()
     current = model.config._attn_implementation

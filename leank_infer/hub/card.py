@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .mask import ChannelMask
+from ..mask import ChannelMask, write_mask_folder
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {
@@ -173,7 +175,7 @@ def capacity_section(mask: ChannelMask, repo: str, gpu_gib: float = 80.0) -> str
     """Largest batch on one GPU, dense vs LeanK, when the folder records its base model's size."""
     import torch
 
-    from .capacity import ASSUMPTION, base_parameters, capacity_table
+    from ..mask.capacity import ASSUMPTION, base_parameters, capacity_table
 
     n = base_parameters(mask)
     if n is None:
@@ -282,13 +284,15 @@ def build_card(
 EVAL_FILE = "eval.json"
 
 
-def write_model_card(
+def write_card_files(
     folder: str | Path,
     eval_results: list[dict[str, Any]] | None = None,
     repo: str | None = None,
     figures: dict[str, str] | None = None,
 ) -> None:
-    """Write README.md and pattern.png into a mask repo folder, from its files alone.
+    """Write README.md, pattern.png (and eval.json) straight into ``folder``, a mask repo being built
+    inside :func:`~leank_infer.mask.write_mask_folder`'s ``fill``; an existing one is updated as a
+    whole by :func:`write_model_card`.
 
     Evaluation rows and figures are kept in the folder's ``eval.json`` so that a later call (a new
     figure, a re-run) adds to the card instead of dropping what an earlier command measured; new
@@ -306,12 +310,40 @@ def write_model_card(
     if figures:
         record["figures"] = {**record.get("figures", {}), **figures}
     if record:
-        tmp = record_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(record_path)
+        record_path.write_text(json.dumps(record, indent=2))
     repo = repo or str(folder)  # the card's usage snippet loads the folder by the path it was given
     try:
         plot_pattern(mask, folder / "pattern.png")
     except ImportError as e:
         warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
     build_card(mask, repo, record.get("results"), record.get("figures")).save(folder / "README.md")
+
+
+def write_model_card(
+    folder: str | Path,
+    eval_results: list[dict[str, Any]] | None = None,
+    repo: str | None = None,
+    figures: dict[str, str] | None = None,
+    figure_files: Sequence[str | Path] = (),
+) -> Path:
+    """Update the card (README.md, pattern.png, eval.json) of the mask repo ``folder`` as a whole.
+
+    The folder's files, the ``figure_files`` (plots a command drew elsewhere, copied in by name) and the
+    new card are written to a fresh sibling that replaces the folder in one swap
+    (:func:`~leank_infer.mask.write_mask_folder`): a reader sees the old card or the new one, and a
+    failure leaves the folder as it was. See :func:`write_card_files` for what the card keeps.
+    """
+    folder = Path(folder)
+    ChannelMask.from_dir(folder)  # a folder that is not a mask repo: its MaskError, before anything is written
+    sources = [Path(f) for f in figure_files]
+    repo = repo or str(folder)
+
+    def fill(tmp: Path) -> None:
+        for f in folder.iterdir():
+            if f.is_file() and not f.is_symlink():
+                shutil.copy2(f, tmp / f.name)
+        for f in sources:
+            shutil.copyfile(f, tmp / f.name)
+        write_card_files(tmp, eval_results, repo, figures)
+
+    return write_mask_folder(folder, fill)

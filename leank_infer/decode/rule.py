@@ -1,8 +1,8 @@
 """The LeanK rule: which keys a query scores with all channels, which with the kept ones only.
 
 This module is the only place the rule is computed. The training reference
-(:mod:`leank_infer.masked_attention`, hence the student), the decode masks of the cache
-(:mod:`leank_infer.layout`) and every decode backend get their regions from :func:`key_regions`;
+(:mod:`leank_infer.decode.masked_attention`, hence the student), the decode masks of the cache
+(:mod:`leank_infer.decode.layout`) and every decode backend get their regions from :func:`key_regions`;
 the scale, the soft-cap and the GQA reshape they share live here too.
 
 The rule (LEANK.md, "Exact boundaries"), in padded coordinates: a row whose first real token is

@@ -1,4 +1,6 @@
-"""Replacing a folder as a whole: build a complete new sibling, then swap it in.
+"""Atomic writes, the one implementation: a folder replaced as a whole (a complete new sibling, then swapped in),
+a folder created once (:func:`create_folder`), removed at once (:func:`remove_folder`), a file replaced at once
+(:func:`write_file`).
 
 A mask repo (mask, config, card, plot) must change as one: a reader never sees one writer's
 ``mask.safetensors`` beside another's ``config.json``, a crash never leaves half a folder, and an
@@ -132,3 +134,58 @@ def write_folder(
         raise
     shutil.rmtree(tmp, ignore_errors=True)  # the old folder
     return target
+
+
+def create_folder(target: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Make ``target`` what ``fill(tmp)`` writes into a fresh sibling, renamed into place, unless another
+    process made it first (its folder is kept, ours dropped): a cache entry built once, never seen half-written.
+
+    If ``fill`` fails, nothing is left behind.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+    try:
+        fill(tmp)
+        _ordinary_permissions(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race: use its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def remove_folder(target: str | os.PathLike) -> None:
+    """Take ``target`` away at once (renamed aside, then deleted): no reader sees it half-deleted.
+
+    A folder another process removed or moved first is not an error.
+    """
+    target = Path(target)
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    try:
+        os.rename(target, aside / "x")
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Replace the file ``path`` with ``data`` at once (a sibling written, then ``os.replace``d): a reader
+    sees the old content or the new, a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

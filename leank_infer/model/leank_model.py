@@ -1,8 +1,8 @@
 """``LeanKModel``: a transformers causal LM that decodes with a LeanK-pruned K cache.
 
 The model itself is untouched but for its attention implementation, set to ``"leank"``, and the
-cache its ``generate`` builds (a :class:`~leank_infer.cache.LeanKCache`, see
-:mod:`leank_infer.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
+cache its ``generate`` builds (a :class:`~leank_infer.decode.cache.LeanKCache`, see
+:mod:`leank_infer.model.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
 decode with LeanK as ``LeanKModel.generate`` does. A forward without a cache (a loss, a prefill) is
 dense, as LeanK's prefill is; decoding over any other cache is an error, never silently dense.
 Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from ..decode.cache import LeanKCache
+from ..mask import ChannelMask, MaskError
 from . import generation as _generation
-from .cache import LeanKCache
 from .loading import load_mask_base_model
-from .mask import ChannelMask, MaskError
 
 
 def _config_differences(config: Any, overrides: dict[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """The LeanK KV cache for transformers: full head and tail, channel-pruned middle, preallocated.
 
-Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infer.layout`):
+Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infer.decode.layout`):
 
 - head ``[0, H)``, all channels, ``H = min(T, max_row_start + sink_size)``: the sink of every row,
 - middle ``[H, M)``: K keeps only the masked channels, one tensor per group of KV heads with
@@ -10,7 +10,7 @@ Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infe
 The layer owns its state changes: the prefill update compresses at once (the attention of the
 prefill runs on the K/V it was given), and before each later update the full recent part
 ``[R, T)`` gives its oldest ``accumu_size`` tokens to the middle while it holds more than
-``recent_size + accumu_size`` (:func:`~leank_infer.rule.decode_recent_from`). The attention only
+``recent_size + accumu_size`` (:func:`~leank_infer.decode.rule.decode_recent_from`). The attention only
 reads :meth:`LeanKLayer.layout`.
 
 Storage is preallocated: head and tail share one ``[B, Hkv, cap, D]`` buffer sized for
@@ -41,10 +41,10 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from ..mask import ChannelMask, dense_layers_of
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
-from .mask import ChannelMask, dense_layers_of
 from .rule import decode_recent_from, prefill_recent_from
 
 MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
@@ -163,7 +163,7 @@ class LeanKLayer(CacheLayerMixin):
         )
 
     def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
-        """Region masks of this step (:func:`~leank_infer.layout.decode_masks`), built once per step for all layers."""
+        """Region masks of this step (:func:`~leank_infer.decode.layout.decode_masks`), built once per step for all layers."""
         if attention_mask is None and q_len == 1 and not self.padded:
             return DecodeMasks()
         key = (self.length, q_len, self.head_len, self.mid_len, self.recent_start)
@@ -252,7 +252,7 @@ class LeanKLayer(CacheLayerMixin):
         if impl != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"a LeanK cache decodes only with attn_implementation={ATTN_IMPLEMENTATION!r}, the model uses {impl!r}: "
-                "use LeanKModel, or model.set_attn_implementation('leank') after importing leank_infer.attention"
+                "use LeanKModel, or model.set_attn_implementation('leank') after importing leank_infer.decode.attention"
             )
 
     @staticmethod
@@ -446,7 +446,7 @@ class LeanKCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base update, then the layer offered to the attention function (see :mod:`~leank_infer.layer_handoff`)."""
+        """The base update, then the layer offered to the attention function (see :mod:`~leank_infer.decode.layer_handoff`)."""
         layer = self.layers[layer_idx]
         if isinstance(layer, LeanKLayer):
             layer.starts_hint = self.prefill_starts

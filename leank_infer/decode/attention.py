@@ -4,12 +4,12 @@
 LeanK cache layer in its kwargs (no LeanK cache, or a layer the mask keeps dense), and for the
 forward that fills an empty LeanK layer (the prefill: full attention, as LeanK prescribes), it is
 the model's own dense attention (:func:`dense_attention`); so is a step of a layer still under its ``dense_until``
-(:class:`~leank_infer.cache.LeanKCache`), which hands over every token's full K/V. Otherwise it reads the layer's
-:class:`~leank_infer.layout.DecodeLayout` and the step's masks and calls the backend dispatcher
-(:func:`leank_infer.backend.decode_attention`). It never changes the cache: the cache compresses
+(:class:`~leank_infer.decode.cache.LeanKCache`), which hands over every token's full K/V. Otherwise it reads the
+layer's :class:`~leank_infer.decode.layout.DecodeLayout` and the step's masks and calls the backend dispatcher
+(:func:`leank_infer.decode.backend.decode_attention`). It never changes the cache: the cache compresses
 itself in its ``update``. Its mask function is SDPA's, so the model hands it a bool mask (or None).
 Past keys from a cache that is not a LeanK cache raise
-:class:`~leank_infer.layer_handoff.LeanKCacheError` (it never decodes dense silently).
+:class:`~leank_infer.decode.layer_handoff.LeanKCacheError` (it never decodes dense silently).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def leank_attention_forward(
 
     Without any cache (a plain forward, a loss: keys only of the tokens passed) it is the model's
     dense attention, which is what LeanK computes at prefill. Past keys from a cache that is not a
-    LeanK cache raise :class:`~leank_infer.layer_handoff.LeanKCacheError` instead of decoding dense.
+    LeanK cache raise :class:`~leank_infer.decode.layer_handoff.LeanKCacheError` instead of decoding dense.
     Layers the mask leaves dense (sliding-window layers, with the model's own cache layer) come
     without a LeanK layer and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
     path: :func:`softcapped_attention` instead of SDPA, and inside the LeanK decode.

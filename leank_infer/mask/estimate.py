@@ -10,18 +10,10 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask, check_ratio_align, dense_layers_of, model_shape
-
-
-def global_layers(config: Any) -> list[bool]:
-    """Per layer: True where attention is global (LeanK applies), False for sliding-window layers.
-
-    The complement of :func:`leank_infer.mask.dense_layers_of`, the one rule for which layers slide,
-    so the estimate counts as dense exactly the layers a mask leaves whole.
-    """
-    layers, _, _ = model_shape(config)
-    dense = set(dense_layers_of(config))
-    return [i not in dense for i in range(layers)]
+from .binarize import check_ratio_align
+from .channel_mask import ChannelMask
+from .kv_bytes import dense_token_bytes, kept_token_bytes, kv_token_bytes
+from .layers import dense_layers_of, model_shape
 
 
 def estimate_kv_bytes(
@@ -41,22 +33,21 @@ def estimate_kv_bytes(
     check_ratio_align(ratio, 1, head_dim)
     if not 0.0 <= zero_head_fraction <= 1.0:
         raise ValueError(f"zero_head_fraction must be in [0, 1], got {zero_head_fraction}")
-    item = torch.empty((), dtype=dtype).element_size()
-    per_layer_dense = 2 * kv_heads * head_dim * item
-    is_global = global_layers(config)
-    leank = 0.0
-    for layer, g in enumerate(is_global):
-        if not g:
-            leank += per_layer_dense
-        elif mask is not None:
-            counts = mask.kept_counts[layer]
-            leank += (int(counts.sum()) + int((counts > 0).sum()) * head_dim) * item
-        else:
-            leank += kv_heads * head_dim * item * ((1 - ratio) + (1 - zero_head_fraction))
-    dense = per_layer_dense * layers
+    dense_layers = set(dense_layers_of(config))  # sliding-window layers keep their own, dense cache
+    pruned = [i for i in range(layers) if i not in dense_layers]
+    if mask is not None:
+        leank = dense_token_bytes(len(dense_layers), kv_heads, head_dim, dtype) + kept_token_bytes(
+            mask.kept_counts[pruned], head_dim, dtype
+        )
+    else:
+        k_kept, v_kept = kv_heads * head_dim * (1 - ratio), kv_heads * (1 - zero_head_fraction)
+        leank = dense_token_bytes(len(dense_layers), kv_heads, head_dim, dtype) + len(pruned) * kv_token_bytes(
+            k_kept, v_kept, head_dim, dtype
+        )
+    dense = dense_token_bytes(layers, kv_heads, head_dim, dtype)
     return {
         "layers": layers,
-        "global_layers": sum(is_global),
+        "global_layers": len(pruned),
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "dtype": str(dtype).replace("torch.", ""),

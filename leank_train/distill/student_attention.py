@@ -22,11 +22,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from leank_infer.attention import dense_attention
-from leank_infer.masked_attention import leank_attention
-from leank_infer.rule import default_scale
+from leank_infer.decode.attention import dense_attention
+from leank_infer.decode.masked_attention import leank_attention
+from leank_infer.decode.rule import default_scale
 
-from . import sequence_parallel as sp
+from .. import sequence_parallel as sp
 
 ATTN_IMPLEMENTATION = "leank_student"
 STATE_KWARG = "leank_student"

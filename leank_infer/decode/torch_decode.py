@@ -1,6 +1,6 @@
-"""The PyTorch decode backend: attention of new queries over a :class:`~leank_infer.layout.DecodeLayout`.
+"""The PyTorch decode backend: attention of new queries over a :class:`~leank_infer.decode.layout.DecodeLayout`.
 
-Contract (shared with :func:`leank_infer.triton_decode.triton_decode_attention`):
+Contract (shared with :func:`leank_infer.decode.triton_decode.triton_decode_attention`):
 ``(query [B, Hq, Q, D], layout, masks, scaling, softcap) -> [B, Q, Hq, D]``, equal to the LeanK rule
 over the full K/V. Every part (the full-channel head + tail, each kept-count group of the middle)
 gives an unnormalised partial and the parts merge by log-sum-exp, as in flash-decoding.
@@ -53,7 +53,7 @@ def fast_path_applies(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMa
 
 def _fast(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Tensor:
     """One softmax over [full scores | middle scores] per head, then the products with V; groups and
-    middle V are in KV-head order (:class:`~leank_infer.layout.ChannelGroups`), so no index shuffles.
+    middle V are in KV-head order (:class:`~leank_infer.decode.layout.ChannelGroups`), so no index shuffles.
     Products are 3-D ``bmm`` on views of the cache's storage (no copies of K or V); the scale rides
     on them (``alpha``)."""
     b, hq, _, d = query.shape

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .mask import ChannelMask
+from .channel_mask import ChannelMask
+from .kv_bytes import value_bytes
 
 GiB = 1024**3
 CONTEXTS = (4096, 32768, 131072)
@@ -97,7 +98,7 @@ def weights_bytes_of(mask: ChannelMask, weights_gib: float | None, dtype: torch.
         raise ValueError(
             "the mask does not record its base model's parameter count: pass --weights-gib (GiB of weights)"
         )
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * value_bytes(dtype)
 
 
 def capacity_main(

@@ -1,7 +1,7 @@
 """The decode core's data: one layer's compressed K/V (:class:`DecodeLayout`) and a step's masks.
 
-A :class:`~leank_infer.cache.LeanKLayer` owns the storage and hands a ``DecodeLayout`` of views to
-the attention; every backend (:mod:`leank_infer.torch_decode`, :mod:`leank_infer.triton_decode`)
+A :class:`~leank_infer.decode.cache.LeanKLayer` owns the storage and hands a ``DecodeLayout`` of views to
+the attention; every backend (:mod:`leank_infer.decode.torch_decode`, :mod:`leank_infer.decode.triton_decode`)
 takes ``(query, layout, masks, scaling, softcap)`` and returns ``[B, Q, Hq, D]``. Tokens, in padded
 coordinates ``[0, length)``:
 
@@ -258,7 +258,7 @@ def allowed_from_mask(
 
 
 def decode_masks(layout: DecodeLayout, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
-    """The region masks of a step: the LeanK rule (:func:`~leank_infer.rule.key_regions`) per row and
+    """The region masks of a step: the LeanK rule (:func:`~leank_infer.decode.rule.key_regions`) per row and
     query, and the model's own mask (padding, custom masks) on top.
 
     Trivial (all None, the backends' fast path) when one query per row sees every key with the

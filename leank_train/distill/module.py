@@ -31,8 +31,8 @@ from leank_infer.mask import (
     model_shape,
 )
 
-from . import sequence_parallel as sp
-from .errors import RecipeError
+from .. import sequence_parallel as sp
+from ..errors import RecipeError
 from .finite import StopOnNonFinite
 from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState, TeacherState
 from .student_attention import register as register_attention
@@ -207,7 +207,7 @@ class LeanKDistillation(L.LightningModule):
     def configure_model(self) -> None:
         if self.llm is not None:
             return
-        from leank_infer.loading import load_base_model
+        from leank_infer.model.loading import load_base_model
 
         model, _ = load_base_model(
             self.hparams.base_model,
@@ -237,7 +237,7 @@ class LeanKDistillation(L.LightningModule):
         self.recent_distill = list(checkpoint.get("leank_recent_distill", []))
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """A NaN/inf loss or alpha stops training before it reaches a checkpoint (``leank_train.finite``)."""
+        """A NaN/inf loss or alpha stops training before it reaches a checkpoint (``leank_train.distill.finite``)."""
         return [StopOnNonFinite()]
 
     # ---- the step ------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""LeanK attention over uncompressed K/V: the rule of :mod:`leank_infer.rule`, with a channel scale.
+"""LeanK attention over uncompressed K/V: the rule of :mod:`leank_infer.decode.rule`, with a channel scale.
 
-Middle keys (see :func:`leank_infer.rule.key_regions`) are scored with K scaled per KV head and
+Middle keys (see :func:`leank_infer.decode.rule.key_regions`) are scored with K scaled per KV head and
 channel (after RoPE; the 1/sqrt(d) scale is not renormalised), the others with all channels.
 A head whose channel scale is all zero may skip its middle keys entirely, as the LeanK cache does
 at decode.

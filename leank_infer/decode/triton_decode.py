@@ -21,8 +21,8 @@ the group's count: loads fetch only kept bytes (16-byte vectors when counts are 
 as align 16/32 gives), the dot does padded work, which a memory-bound decode can afford. Middle K
 is indexed as ``[B, Hg, cap, c]`` storage (the cache's preallocated tensors; others are copied).
 
-The launcher implements the decode contract of :mod:`leank_infer.backend` over a
-:class:`~leank_infer.layout.DecodeLayout`; masks are its :class:`~leank_infer.layout.DecodeMasks`
+The launcher implements the decode contract of :mod:`leank_infer.decode.backend` over a
+:class:`~leank_infer.decode.layout.DecodeLayout`; masks are its :class:`~leank_infer.decode.layout.DecodeMasks`
 (None = all attended), read per key in the kernel through their
 strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row pattern works
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
@@ -53,7 +53,7 @@ _JIT_OPTIONS: dict[str, dict[str, Any]] = {}
 def _jit(fn: Callable | None = None, **options: Any) -> Any:
     """``triton.jit``, applied at the first launch rather than at import.
 
-    Importing this module (``leank_infer.attention`` may, at its top) never imports triton: no cost on
+    Importing this module (``leank_infer.decode.attention`` may, at its top) never imports triton: no cost on
     CPU-only runs, nothing to fail without triton, and ``TRITON_INTERPRET`` is read when the kernels
     are first needed, not when some earlier import happened to load this file.
     """
@@ -470,7 +470,7 @@ def triton_decode_attention(
     block_n: int = BLOCK_N,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernels' implementation of the decode contract (:mod:`leank_infer.backend`), ``[B, 1, Hq, D]``.
+    """The kernels' implementation of the decode contract (:mod:`leank_infer.decode.backend`), ``[B, 1, Hq, D]``.
 
     One query token per row; other inputs raise (see :func:`unsupported`; the dispatcher sends them to
     the PyTorch path). ``splits`` forces the split count of every part (tests; default:

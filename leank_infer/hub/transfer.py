@@ -1,9 +1,11 @@
-"""Pulling and pushing mask repos through huggingface_hub's own API (no hand-written HTTP).
+"""Mask repos to and from the Hub, folder in, folder out, through huggingface_hub's own API.
 
-Pull: ``snapshot_download`` of the safe files only, so the Hub cache, revision pinning (branch,
-tag or commit) and offline mode (``HF_HUB_OFFLINE=1``) are huggingface_hub's; every failure is
-one :class:`MaskError` that names the repo and the revision.
-Push: ``create_repo`` (and ``create_branch``), then one ``create_commit`` holding the whole folder.
+Pull (:func:`resolve_mask_dir`): ``snapshot_download`` of the safe files only into a folder, so the
+Hub cache, revision pinning (branch, tag or commit) and offline mode (``HF_HUB_OFFLINE=1``) are
+huggingface_hub's; every failure is one :class:`MaskError` that names the repo and the revision.
+Push (:func:`upload_folder`): ``create_repo`` (and ``create_branch``), then one ``create_commit``
+holding the whole folder. This layer moves folders only: it never builds a mask or a card (that is
+:mod:`leank_infer.hub.publish`, above the mask and the card).
 ``endpoint=`` and ``token=`` reach huggingface_hub unchanged; by default it uses ``HF_ENDPOINT``
 and ``HF_TOKEN`` (or the saved login) as usual.
 """
@@ -13,21 +15,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .hub_names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
-from .mask import CONFIG_FILE, MASK_FILE, MaskError
+from ..folders.names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
+from ..mask.format import ALLOW_PATTERNS, CONFIG_FILE, MASK_FILE, MaskError
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
 
-    from .mask import ChannelMask
-
-# What is ever downloaded from (or uploaded to) a mask repo: safe formats, the card and the plot.
-# LICENSE: an imported mask (leank import) carries its licence text, which must travel with every copy.
-ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png", "LICENSE"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -165,13 +161,6 @@ def mask_repo_files(folder: str | os.PathLike) -> dict[str, Path]:
     return files
 
 
-def _write_card(folder: Path, repo_id: str) -> None:
-    """README.md (and pattern.png, where matplotlib is installed) for ``folder``, pointing at ``repo_id``."""
-    from .card import write_model_card
-
-    write_model_card(folder, repo=repo_id)
-
-
 def check_push_target(repo_id: str, revision: str | None = None) -> None:
     """Raise MaskError unless ``repo_id`` and ``revision`` are valid names and the Hub may be reached (not offline)."""
     problem = repo_id_problem(repo_id) or (revision_problem(revision) if revision is not None else None)
@@ -181,50 +170,35 @@ def check_push_target(repo_id: str, revision: str | None = None) -> None:
         raise MaskError("cannot push while offline mode is on (HF_HUB_OFFLINE=1): unset it to upload")
 
 
-def push_mask(
-    mask: ChannelMask,
+def upload_folder(
+    folder: str | os.PathLike,
     repo_id: str,
     *,
     private: bool | None = None,
     revision: str | None = None,
-    commit_message: str | None = None,
+    commit_message: str,
     commit_description: str | None = None,
     token: str | bool | None = None,
     endpoint: str | None = None,
-    folder: str | os.PathLike | None = None,
 ) -> CommitInfo:
-    """Create ``repo_id`` if needed and upload the mask repo in one commit; returns the ``CommitInfo``.
+    """Create ``repo_id`` if needed and upload the mask repo files of ``folder`` in one commit.
 
-    ``folder`` (a mask repo folder: mask, config, and the card and plot from
-    ``leank_infer.card.write_model_card``) is checked to load and then uploaded as is; without it,
-    ``mask`` is saved to a temporary folder with a fresh card and plot (when the training extra is
-    installed for the plot). ``revision`` is a branch,
-    created from ``main`` when missing. The result is a ``str`` (the commit URL) with ``.oid``.
-    Hub errors (auth, permissions) are huggingface_hub's own exceptions.
+    ``revision`` is a branch, created from ``main`` when missing. The result is a ``str`` (the
+    commit URL) with ``.oid``. Hub errors (auth, permissions) are huggingface_hub's own exceptions.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .mask import ChannelMask
-
     check_push_target(repo_id, revision)
+    files = mask_repo_files(folder)
     api = HfApi(endpoint=endpoint, token=token)
-    message = commit_message or f"Upload LeanK mask for {mask.base_model or 'its base model'}"
-    with tempfile.TemporaryDirectory() as tmp:
-        if folder is not None:
-            ChannelMask.from_dir(folder)  # never push something that does not load
-            src = Path(folder)
-        else:
-            src = mask.save_pretrained(tmp)
-            _write_card(src, repo_id)
-        files = mask_repo_files(src)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        if revision is not None and revision != "main":
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
-        return api.create_commit(
-            repo_id,
-            operations,
-            commit_message=message,
-            commit_description=commit_description,
-            revision=revision,
-        )
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision is not None and revision != "main":
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+    return api.create_commit(
+        repo_id,
+        operations,
+        commit_message=commit_message,
+        commit_description=commit_description,
+        revision=revision,
+    )

@@ -1,7 +1,7 @@
 """Which decode backend runs a step: the dispatcher above the PyTorch path and the Triton kernel.
 
 Both implement one contract, ``(query, layout, masks, scaling, softcap) -> [B, Q, Hq, D]`` (see
-:mod:`leank_infer.layout`); this module only chooses. ``backend``: "torch", "triton" (the kernel;
+:mod:`leank_infer.decode.layout`); this module only chooses. ``backend``: "torch", "triton" (the kernel;
 an error if triton is missing or the tensors are not on CUDA, unless the kernels run on triton's
 CPU interpreter), "auto" or None (``LEANK_BACKEND``, default auto: the kernel for CUDA tensors when
 triton is installed, else torch). Inputs the kernel does not cover (``q_len > 1``, other dtypes,

@@ -1,0 +1,1 @@
+"""The Hugging Face Hub: a revision downloaded to a folder, a folder uploaded in one commit; model cards and plots."""

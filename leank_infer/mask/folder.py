@@ -1,0 +1,170 @@
+"""A mask folder on disk: read its two files safely (bounded, one version of the folder), write it whole.
+
+Writes go through :func:`leank_infer.folders.atomic.write_folder` (a new sibling swapped in under a
+lock); reads hold one handle on the folder, so a concurrent writer's swap is seen whole, old or new.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..folders.atomic import FolderError, refusal, write_folder
+from .format import (
+    ALLOW_PATTERNS,
+    CONFIG_FILE,
+    MASK_FILE,
+    MAX_CONFIG_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_MASK_BYTES,
+    MaskError,
+)
+
+
+def is_mask_repo(folder: Path) -> bool:
+    """Whether ``folder`` is a mask repo leank may replace: mask or config (a damaged repo may lack one),
+    and nothing but a mask repo's own files (mask, config, card, eval.json, plots), none of them a link."""
+    names = {p.name: p for p in folder.iterdir()}
+    return (
+        (MASK_FILE in names or CONFIG_FILE in names)
+        and all(
+            p.is_file() and not p.is_symlink() and any(fnmatch.fnmatch(n, pat) for pat in ALLOW_PATTERNS)
+            for n, p in names.items()
+        )
+    )
+
+
+def check_mask_target(target: str | os.PathLike) -> None:
+    """Raise MaskError unless ``target`` is a place a mask repo may be written (new, empty, or a mask repo)."""
+    why = refusal(Path(target), is_mask_repo, "mask repo")
+    if why:
+        raise MaskError(why)
+
+
+def write_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
+    """Make ``target`` exactly what ``fill(tmp)`` writes (mask files, card, plot), swapped in as a whole.
+
+    Only a new or empty folder or an older mask repo is replaced; a file, a symlink, ``/`` or a
+    folder with other files is refused up front (MaskError, nothing written). Concurrent writers
+    take turns; readers see the old folder or the new one. See :mod:`leank_infer.folders.atomic`.
+    """
+    try:
+        return write_folder(target, fill, is_mask_repo, "mask repo")
+    except FolderError as e:
+        raise MaskError(str(e)) from None
+
+
+class _Vanished(Exception):
+    """A file disappeared while reading (the folder was being swapped, or it is missing)."""
+
+
+def _read_limited(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
+    """The bytes of regular file ``name`` in the folder open as ``dir_fd``, at most ``limit`` of them."""
+    path = folder / name
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)  # a FIFO must not block
+    except FileNotFoundError:
+        raise _Vanished(name) from None
+    except OSError as e:
+        raise MaskError(f"{path} cannot be opened: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("folder" if stat.S_ISDIR(info.st_mode) else "pipe (FIFO)" if stat.S_ISFIFO(info.st_mode)
+                    else "device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "socket or other")
+            raise MaskError(f"{path} is a {kind}, not a regular file; a mask folder holds plain files only")
+        if info.st_size > limit:
+            raise MaskError(f"{path} is {info.st_size:,} bytes; a mask's {name} may hold at most {limit:,}")
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise MaskError(f"{path} holds more than {limit:,} bytes, the most a mask's {name} may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_mask_files(folder: Path) -> tuple[bytes, bytes]:
+    """(config.json, mask.safetensors) bytes, both from one version of ``folder`` (retried if it was swapped)."""
+    for attempt in range(20):
+        try:
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if attempt < 3:  # a writer without an atomic exchange moves the old folder aside for a moment
+                time.sleep(0.01)
+                continue
+            raise MaskError(f"mask folder {folder} does not exist") from None
+        except NotADirectoryError:
+            raise MaskError(f"{folder} is not a folder") from None
+        except OSError as e:
+            raise MaskError(f"mask folder {folder} cannot be opened: {e.strerror}") from None
+        try:
+            return (
+                _read_limited(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES),
+                _read_limited(dir_fd, folder, MASK_FILE, MAX_MASK_BYTES),
+            )
+        except _Vanished as e:
+            if not _swapped(folder, dir_fd):
+                where = folder if folder.is_absolute() else f"{folder} (that is {folder.absolute()})"
+                raise MaskError(f"{e} is missing in {where}") from None
+        finally:
+            os.close(dir_fd)
+    raise MaskError(f"mask folder {folder} kept changing while it was read; try again")
+
+
+def _swapped(folder: Path, dir_fd: int) -> bool:
+    """Whether ``folder`` now names another folder than the one open as ``dir_fd`` (a writer replaced it)."""
+    held = os.fstat(dir_fd)
+    try:
+        now = os.stat(folder)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            depth = max(depth, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return depth
+
+
+def parse_config(data: bytes, path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; anything else (bad UTF-8 or JSON, too deep, huge numbers) is one MaskError."""
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MaskError(f"{path} is not UTF-8 text: {e}") from None
+    except RecursionError:
+        raise MaskError(f"{path} nests JSON too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as e:  # JSONDecodeError, and integers too long to convert
+        raise MaskError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise MaskError(f"{path} must hold a JSON object")
+    if _json_depth(cfg) > MAX_JSON_DEPTH:
+        raise MaskError(f"{path} nests JSON too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return cfg
+
+
+def read_safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise MaskError(f"{path} is damaged or truncated and cannot be read as safetensors: {e}") from None

@@ -1,0 +1,85 @@
+"""Haystacks: the long texts needles hide in, and the key words and sentence split the tasks draw on.
+
+``"noise"`` (a repeated filler paragraph), ``"essay"`` (English prose shipping with Python,
+``pydoc_data.topics``; no download), a local text file or folder of ``*.txt``, or any Hub dataset id
+with a ``text`` column (``datasets.load_dataset``, the user's network).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import RecipeError
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+_WORDS = (
+    "amber anchor apple arrow autumn badger bamboo beacon birch blossom breeze candle canyon cedar cherry "
+    "cobalt comet copper coral cricket crystal daisy dawn delta desert dolphin dragon eagle ember falcon "
+    "fern fjord forest garnet glacier granite harbor hazel heron island ivory jasmine juniper lagoon lantern "
+    "lemon lilac lotus maple marble meadow mercury meteor mint nebula nectar oasis ocean olive onyx orchid "
+    "otter panda pearl pepper pine planet plum prairie quartz raven reef river robin saffron sapphire "
+    "shadow silver spruce summit swan thistle thunder tiger topaz tulip valley velvet violet walnut willow"
+).split()
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
+
+
+def essay_text() -> str:
+    """English prose from the Python docs shipped with CPython (``pydoc_data.topics``), code blocks dropped."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for text in topics.values():
+        for para in re.split(r"\n\s*\n", text):
+            lines = para.splitlines()
+            if not lines or any(line.startswith((" ", "\t")) for line in lines):
+                continue  # indented: code, grammar or a table
+            joined = " ".join(line.strip() for line in lines)
+            letters = sum(c.isalpha() or c == " " for c in joined)
+            if len(joined) > 80 and letters / len(joined) > 0.85 and joined.endswith("."):
+                paragraphs.append(joined)
+    return " ".join(paragraphs)
+
+
+def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
+    """The text of a haystack named by ``spec`` ("noise", "essay", a local path, or a Hub dataset id)."""
+    if spec == "noise":
+        return " ".join([NOISE] * 50)
+    if spec == "essay":
+        return essay_text()
+    path = Path(spec).expanduser()
+    if path.exists():
+        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not files:
+            raise RecipeError(f"haystack folder {path} holds no *.txt file")
+        return " ".join(f.read_text(errors="replace") for f in files)[:max_chars]
+    if _looks_like_path(spec):
+        raise RecipeError(f"haystack {spec!r}: no such file or folder (data.haystacks)")
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(spec, split="train", streaming=True)
+    except Exception as e:  # noqa: BLE001 - the Hub/network/format errors of `datasets` are many
+        raise RecipeError(
+            f"haystack {spec!r} is not a local file or folder, and loading it as a Hub dataset failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    parts, size = [], 0
+    for row in ds:
+        text = row.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"haystack dataset {spec!r} has no string column 'text'")
+        parts.append(text)
+        size += len(text)
+        if size >= max_chars:
+            break
+    return " ".join(parts)[:max_chars]
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether a haystack name can only mean a local path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        spec.startswith(("/", ".", "~", "\\"))
+        or spec.count("/") > 1
+        or Path(spec).suffix.lower() in (".txt", ".md", ".json", ".jsonl", ".csv", ".parquet")
+    )

@@ -1,0 +1,1 @@
+"""Distillation: the LightningModule (loss, optimisation) and the teacher/student attention passes."""

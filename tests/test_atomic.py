@@ -1,0 +1,92 @@
+"""The one atomic-write helper (leank_infer.folders.atomic) and the card update that goes through it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from leank_infer import ChannelMask
+from leank_infer.folders import atomic
+from leank_infer.hub import card
+
+
+def _mask_repo(folder: Path) -> Path:
+    ChannelMask.from_scores(torch.rand(2, 2, 8, generator=torch.Generator().manual_seed(0)), ratio=0.5, align=2,
+                            base_model="org/model").save_pretrained(folder)
+    card.write_model_card(folder, [{"dataset": "needle-1k", "value": 0.5}])
+    return folder
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_card_update_swaps_the_folder_whole_and_a_failure_leaves_it(tmp_path: Path, monkeypatch) -> None:
+    folder = _mask_repo(tmp_path / "repo")
+    before, inode = _files(folder), folder.stat().st_ino
+    plot = tmp_path / "drawn-elsewhere.png"
+    plot.write_bytes(b"png")
+    card.write_model_card(folder, figures={plot.name: "leank eval repo --plot x"}, figure_files=[plot])
+    after = _files(folder)
+    assert folder.stat().st_ino != inode  # a new folder swapped in, not files rewritten in place
+    assert after[plot.name] == b"png" and "leank eval repo --plot x" in after["README.md"].decode()
+    assert after["mask.safetensors"] == before["mask.safetensors"] and "needle-1k" in after["eval.json"].decode()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(card, "build_card", boom)  # fails after eval.json and the plot were written (in the copy)
+    with pytest.raises(RuntimeError, match="disk full"):
+        card.write_model_card(folder, [{"dataset": "other", "value": 0.1}])
+    assert _files(folder) == after
+    assert sorted(p.name for p in tmp_path.iterdir()) == [plot.name, "repo"]  # no half-written sibling
+
+
+def test_card_update_refuses_a_folder_that_is_not_a_mask_repo(tmp_path: Path) -> None:
+    from leank_infer import MaskError
+
+    folder = _mask_repo(tmp_path / "repo")
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(MaskError, match="not a mask repo"):
+        card.write_model_card(folder)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_write_file_replaces_at_once_and_a_failure_keeps_the_old_file(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "state.json"
+    atomic.write_file(path, "old")
+    atomic.write_file(path, b"new")
+    assert path.read_text() == "new"
+
+    def refuse(src, dst):
+        raise OSError("no space")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="no space"):
+        atomic.write_file(path, "newer")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_create_folder_keeps_the_first_and_a_failed_fill_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "cache" / "copy"
+
+    def fill(text: str):
+        return lambda tmp: (tmp / "weights").write_text(text)
+
+    atomic.create_folder(target, fill("first"))
+    atomic.create_folder(target, fill("second"))  # lost the race: the first copy stays, ours is dropped
+    assert (target / "weights").read_text() == "first"
+    assert [p.name for p in target.parent.iterdir()] == ["copy"]
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half").write_text("x")
+        raise RuntimeError("killed")
+
+    atomic.remove_folder(target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    with pytest.raises(RuntimeError, match="killed"):
+        atomic.create_folder(target, broken)
+    assert list(target.parent.iterdir()) == []
