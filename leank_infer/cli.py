@@ -94,7 +94,7 @@ def command_parser(func: Callable[..., Any], prog: str):
 
     register()
     description, docs = _docs(func)
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, env_prefix=None)
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
     hints = typing.get_type_hints(func)
     for p in inspect.signature(func).parameters.values():
         hint, help_text = hints[p.name], docs.get(p.name)
@@ -117,6 +117,30 @@ def command_parser(func: Callable[..., Any], prog: str):
     return parser
 
 
+def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> str:
+    """The command line that calls ``func`` with ``values`` (defaults left out): printed with results."""
+    import shlex
+
+    from .cli_types import PositiveIntList
+
+    hints = typing.get_type_hints(func)
+    words = [prog]
+    for p in inspect.signature(func).parameters.values():
+        value = values.get(p.name, p.default)
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and value == p.default:
+            continue
+        if value is None or value is inspect.Parameter.empty:
+            continue
+        if hints[p.name] is bool:
+            words.append(f"--{p.name}" if value else f"--no_{p.name}")
+            continue
+        if hints[p.name] is PositiveIntList:
+            value = ",".join(map(str, value))
+        items = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+        words += (items if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else [f"--{p.name}", *items])
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
     """``--max-new-tokens 3`` -> ``--max_new_tokens 3`` (the option names only, never values)."""
     out = []
@@ -129,6 +153,10 @@ def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
 def _one_line(message: str) -> str:
     """jsonargparse's multi-line message as one line naming the option (``--key: problem``)."""
     text = " ".join(str(message).split())
+    # `X | None`: the error of X (not that the value is not None either)
+    text = re.sub(r"Does not validate against any of the Union subtypes.*?Errors: - (.*?) - Expected a <class 'NoneType'>.*",
+                  r"\1", text)
+    text = re.sub(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", r"\2 is not one of \1", text)
     text = re.sub(r'Parser key "([\w.]+)"(?: element \d+)?: (?:Not of type \w+: )?', r"--\1: ", text)
     return text[:1000]
 

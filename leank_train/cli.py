@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
