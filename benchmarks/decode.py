@@ -1,11 +1,11 @@
-"""Decode benchmark of issue 4 on the CPU: dense vs LeanK at 2k/4k/8k x batch 1/4 (see leank_infer/bench.py).
+"""Decode benchmark of issue 4 on the CPU: dense vs LeanK at 2k/4k/8k x batch 1/4 (``leank bench``).
 
-    python benchmarks/decode.py [MASK] [--contexts ...] [--batches ...] [--new-tokens N]
+    python benchmarks/decode.py [MASK] [--contexts ...] [--batches ...] [--new_tokens N]
 """
 
 import sys
 
-from leank_infer.bench import main
+from leank_infer.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python benchmarks/decode.py"))
+    sys.exit(main(["bench", *sys.argv[1:]]))

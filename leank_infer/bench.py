@@ -15,20 +15,18 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from .cli_types import fraction, positive_int, positive_int_list
+from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError
 from .decode.cache import dynamic_cache_bytes
-from .mask import ChannelMask, MaskError, model_positions, model_shape
+from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
 from .model.loading import BaseModelError, load_base_model, load_mask_base_model
@@ -134,75 +132,81 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wa
     }
 
 
-def main(argv: list[str] | None = None, prog: str = "leank bench") -> int:
-    """Entry of ``leank bench``: a bad argument, mask or base model is one line on stderr and exit code 2."""
-    try:
-        return _main(argv, prog)
-    except (MaskError, BaseModelError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+def bench(
+    mask: str | None = None,
+    *,
+    contexts: PositiveIntList = [2048, 4096, 8192],  # noqa: B006 (read only; shown in --help)
+    batches: PositiveIntList = [1, 4],  # noqa: B006
+    new_tokens: PositiveInt = 32,
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+    device: str = "cpu",
+    threads: PositiveInt | None = None,
+    repeats: PositiveInt = 1,
+    clock: Literal["wall", "cpu"] = "wall",
+    dense_until: int = 0,
+    estimate: str | None = None,
+    plot: Path | None = None,
+    card: bool = False,
+    ratio: Fraction = 0.7,
+    zero_heads: Fraction = 0.0,
+    capacity: str | None = None,
+    weights_gib: float | None = None,
+) -> int:
+    """Decode ms/step, tokens/s and KV bytes, dense vs LeanK, on the mask's base model.
 
+    Args:
+        mask: mask folder or Hub id (default: hub/smollm2-135m-instruct if present, else a random mask).
+        contexts: comma-separated prompt lengths.
+        batches: comma-separated batch sizes.
+        new_tokens: tokens generated per run (>= 3).
+        dtype: default: float32 on CPU, bfloat16 on CUDA.
+        device: cpu, or cuda (LeanK then decodes with the Triton kernel).
+        threads: torch CPU threads (default: torch's choice).
+        repeats: runs per configuration, dense and LeanK alternating; the best is kept.
+        clock: step time as wall time, or as this process's CPU time (robust when other jobs share the
+            CPU; with more than one thread it also counts OpenMP's spin-waiting).
+        dense_until: LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until;
+            0 = off, the default): the short-context switch, measured against plain dense.
+        estimate: only print KV bytes/token dense vs LeanK for this model's config (no weights).
+        plot: also draw decode time vs context to this PNG.
+        card: with --plot and a mask folder: put the figure (and this command) in the mask's model card.
+        ratio: with --estimate: fraction of K channels pruned.
+        zero_heads: with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18).
+        capacity: GIB[,GIB]: only print, for the mask and these GPU memory sizes, KV GiB per sequence and the
+            largest batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.capacity).
+        weights_gib: with --capacity: GiB of model weights (default: the mask's recorded base-model size).
+    """
+    from .cli import invocation
 
-def _main(argv: list[str] | None, prog: str) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("mask", nargs="?", default=None,
-                   help=f"mask folder or Hub id (default: {DEFAULT_MASK} if present, else a random mask)")
-    p.add_argument("--contexts", type=positive_int_list, default=[2048, 4096, 8192],
-                   help="comma-separated prompt lengths")
-    p.add_argument("--batches", type=positive_int_list, default=[1, 4], help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per run (>= 3)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (LeanK then decodes with the Triton kernel)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="step time as wall time, or as this process's CPU time (robust when other jobs share the "
-                        "CPU; with more than one thread it also counts OpenMP's spin-waiting)")
-    p.add_argument("--repeats", type=positive_int, default=1,
-                   help="runs per configuration, dense and LeanK alternating; the best is kept")
-    p.add_argument("--dense-until", type=int, default=0, metavar="TOKENS",
-                   help="LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until; "
-                        "0 = off, the default): the short-context switch, measured against plain dense")
-    p.add_argument("--estimate", metavar="MODEL_ID", default=None,
-                   help="only print KV bytes/token dense vs LeanK for this model's config (no weights)")
-    p.add_argument("--plot", type=Path, default=None, help="also draw decode time vs context to this PNG")
-    p.add_argument("--card", action="store_true",
-                   help="with --plot and a mask folder: put the figure (and this command) in the mask's model card")
-    p.add_argument("--ratio", type=fraction, default=0.7, help="with --estimate: fraction of K channels pruned")
-    p.add_argument("--zero-heads", type=fraction, default=0.0,
-                   help="with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18)")
-    p.add_argument("--capacity", metavar="GIB[,GIB]", default=None,
-                   help="only print, for the mask and these GPU memory sizes, KV GiB per sequence and the largest "
-                        "batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.mask.capacity)")
-    p.add_argument("--weights-gib", type=float, default=None,
-                   help="with --capacity: GiB of model weights (default: the mask's recorded base-model size)")
-    args = p.parse_args(argv)
-    if args.capacity:
+    command = invocation("leank bench", bench, dict(locals()))
+    if capacity:
         from .mask.capacity import capacity_main
 
         try:
-            gibs = [float(x) for x in args.capacity.split(",")]
-            command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-            return capacity_main(args.mask or str(DEFAULT_MASK), gibs, args.weights_gib,
-                                 DTYPES[args.dtype or "bfloat16"], command)
+            gibs = [float(x) for x in capacity.split(",")]
+            return capacity_main(mask or str(DEFAULT_MASK), gibs, weights_gib, DTYPES[dtype or "bfloat16"], command)
         except ValueError as e:  # MaskError included
-            p.error(f"--capacity: {e}")
+            raise UsageError(f"--capacity: {' '.join(str(e).split())}") from None
     try:
-        device = torch.device(args.device)
+        torch_device = torch.device(device)
     except RuntimeError:
-        p.error(f"argument --device: {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("argument --device: CUDA is not available on this machine")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    if args.estimate:
-        return estimate_main(args.estimate, args.ratio, args.zero_heads, dtype)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    contexts, batches = args.contexts, args.batches
-    new_tokens = max(3, args.new_tokens)
+        raise UsageError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: CUDA is not available on this machine")
+    device = torch_device
+    torch_dtype = DTYPES[dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if estimate:
+        return estimate_main(estimate, ratio, zero_heads, torch_dtype)
+    if dense_until < 0:
+        raise UsageError(f"--dense-until: must be >= 0 tokens, got {dense_until}")
+    if threads:
+        torch.set_num_threads(threads)
+    new_tokens = max(3, new_tokens)
+    dtype = torch_dtype
+    mask_path = mask
 
-    command = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     print(f"command: {command}")
-    mask, where = _mask(args.mask)
+    mask, where = _mask(mask_path)
     if mask is None:
         model, _ = load_base_model("embedded", dtype=dtype)
         scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
@@ -211,24 +215,20 @@ def _main(argv: list[str] | None, prog: str) -> int:
         model, _ = load_mask_base_model(mask, dtype=dtype)
     limit = model_positions(model.config)
     if limit is not None and max(contexts) + new_tokens > limit:
-        print(
-            f"{prog}: error: --contexts {max(contexts):,} + {new_tokens} new tokens exceeds the model's {limit:,} "
-            f"positions (max_position_embeddings); use contexts up to {limit - new_tokens:,}",
-            file=sys.stderr,
+        raise UsageError(
+            f"--contexts {max(contexts):,} + {new_tokens} new tokens exceeds the model's {limit:,} "
+            f"positions (max_position_embeddings); use contexts up to {limit - new_tokens:,}"
         )
-        return 2
     model.to(device)
     stats = mask.stats(dtype=dtype)
     print(
         f"model: {mask.base_model or 'embedded SmolLM2-135M-Instruct'}, {str(dtype)[6:]} on {device}, "
-        f"torch threads {torch.get_num_threads()}, {args.clock} clock, CPU load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"torch threads {torch.get_num_threads()}, {clock} clock, CPU load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
         + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
     print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
-          + (f"; LeanK decodes dense until {args.dense_until:,} tokens" if args.dense_until else ""))
-    if args.dense_until < 0:
-        p.error(f"argument --dense-until: must be >= 0 tokens, got {args.dense_until}")
-    lk = LeanKModel(model, mask, dense_until=args.dense_until)
+          + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else ""))
+    lk = LeanKModel(model, mask, dense_until=dense_until)
     header = (
         f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
         f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8} {'alloc ratio':>11}"
@@ -245,12 +245,12 @@ def _main(argv: list[str] | None, prog: str) -> int:
             ids = torch.cat([prompt.to(device), first], 1).expand(batch, -1)
             dense = leank = None
             peaks = {}
-            for _ in range(max(1, args.repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
+            for _ in range(max(1, repeats)):  # alternate, keep the best of each (shared CPUs are noisy)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 dense_cache = filled(DynamicCache(config=model.config), kv, batch)
                 with lk.dense():
-                    run = _run(model, ids, dense_cache, new_tokens, args.clock)
+                    run = _run(model, ids, dense_cache, new_tokens, clock)
                 peaks["dense"] = _peak(device)
                 dense = run if dense is None or run["step_ms"] < dense["step_ms"] else dense
                 dense_bytes = dynamic_cache_bytes(dense_cache)
@@ -258,7 +258,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 leank_cache = filled(lk.new_cache(), kv, batch)
-                run = _run(model, ids, leank_cache, new_tokens, args.clock)
+                run = _run(model, ids, leank_cache, new_tokens, clock)
                 peaks["leank"] = _peak(device)
                 leank = run if leank is None or run["step_ms"] < leank["step_ms"] else leank
                 leank_bytes = lk.kv_cache_bytes(leank_cache)
@@ -273,21 +273,18 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 flush=True,
             )
             rows.append({"context": ctx, "batch": batch, "dense_ms": dense["step_ms"], "leank_ms": leank["step_ms"]})
-    if args.plot:
+    if plot:
         from .hub.plots import plot_decode_time
 
-        plot_decode_time(rows, args.plot, command)
-        print(f"plot: {args.plot}")
-        if args.card and args.mask and Path(args.mask).is_dir():
+        plot_decode_time(rows, plot, command)
+        print(f"plot: {plot}")
+        if card and mask_path and Path(mask_path).is_dir():
             from .hub.card import write_model_card
 
-            write_model_card(args.mask, figures={args.plot.name: command}, figure_files=[args.plot])
+            write_model_card(mask_path, figures={plot.name: command}, figure_files=[plot])
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes "
         "held; alloc ratio = LeanK storage reserved (its preallocated spare slots included) / dense"
     )
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

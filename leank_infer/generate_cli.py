@@ -6,30 +6,16 @@ attention), so the dense answer comes from transformers' own DynamicCache path.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
-from .cli_types import positive_int, utf8_text
+from .cli_types import PositiveInt, UsageError, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leank generate", description=__doc__.split("\n")[0])
-    p.add_argument("mask", help="mask folder (e.g. hub/smollm2-135m-instruct) or Hub repo id")
-    p.add_argument("--prompt", required=True, type=utf8_text, help="the text to answer")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--revision", default=None, help="mask repo revision (Hub)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--width", type=positive_int, default=100, help="total width of the side-by-side output")
-    return p
 
 
 def _human(n: int) -> str:
@@ -50,46 +36,57 @@ def _side_by_side(left: tuple[str, str], right: tuple[str, str], width: int) -> 
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not args.prompt.strip():
-        print("leank generate: error: --prompt is empty; give the text to answer", file=sys.stderr)
-        return 2
+def generate(
+    mask: str,
+    *,
+    prompt: str,
+    max_new_tokens: PositiveInt = 64,
+    chat: bool = False,
+    revision: str | None = None,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    width: PositiveInt = 100,
+) -> int:
+    """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
+
+    Args:
+        mask: mask folder (e.g. hub/smollm2-135m-instruct) or Hub repo id.
+        prompt: the text to answer.
+        max_new_tokens: tokens to generate.
+        chat: wrap the prompt in the tokenizer's chat template.
+        revision: mask repo revision (Hub).
+        dtype: dtype of the base model.
+        width: total width of the side-by-side output.
+    """
+    check_text("--prompt", prompt)
+    if not prompt.strip():
+        raise UsageError("--prompt is empty; give the text to answer")
     from transformers import DynamicCache
 
     from .decode.cache import dynamic_cache_bytes
-    from .mask import MaskError, model_positions
+    from .mask import model_positions
     from .model.generation import CACHE_KWARG
     from .model.leank_model import LeanKModel
-    from .model.loading import BaseModelError
 
-    try:
-        lk = LeanKModel.from_pretrained(args.mask, revision=args.revision, dtype=DTYPES[args.dtype])
-    except (MaskError, BaseModelError) as e:
-        print(f"leank generate: error: {e}", file=sys.stderr)
-        return 2
+    lk = LeanKModel.from_pretrained(mask, revision=revision, dtype=DTYPES[dtype])
     tok = lk.tokenizer
     if tok is None:
-        print("leank generate: error: the base model has no tokenizer", file=sys.stderr)
-        return 2
-    if args.chat and getattr(tok, "chat_template", None):
+        raise UsageError("the base model has no tokenizer")
+    if chat and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
-        enc = tok(args.prompt, return_tensors="pt")
+        enc = tok(prompt, return_tensors="pt")
     n = enc["input_ids"].shape[1]
     limit = model_positions(lk.model.config)
-    if limit is not None and n + args.max_new_tokens > limit:
-        print(
-            f"leank generate: error: the prompt is {n:,} tokens; with --max-new-tokens {args.max_new_tokens} that "
-            f"exceeds the model's {limit:,} positions (max_position_embeddings): shorten the prompt",
-            file=sys.stderr,
+    if limit is not None and n + max_new_tokens > limit:
+        raise UsageError(
+            f"the prompt is {n:,} tokens; with --max_new_tokens {max_new_tokens} that "
+            f"exceeds the model's {limit:,} positions (max_position_embeddings): shorten the prompt"
         )
-        return 2
     enc = {k: v.to(lk.device) for k, v in enc.items()}
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         gen["pad_token_id"] = tok.eos_token_id
 
@@ -103,9 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         answer = tok.decode(out[0, n:], skip_special_tokens=True).strip()
         results.append((name, answer, nbytes, out.shape[1] - n, secs))
 
-    s = lk.mask.stats(dtype=DTYPES[args.dtype])
+    s = lk.mask.stats(dtype=DTYPES[dtype])
     print(
-        f"mask {args.mask}: K kept {s['k_kept_fraction']:.1%}, V kept {s['v_kept_fraction']:.1%}, "
+        f"mask {mask}: K kept {s['k_kept_fraction']:.1%}, V kept {s['v_kept_fraction']:.1%}, "
         f"sink {lk.mask.sink_size} / recent {lk.mask.recent_size} / accumu {lk.mask.accumu_size}; "
         f"prompt {n} tokens"
     )
@@ -115,9 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratio = f" ({nbytes / dense_bytes:.0%} of dense)" if name == "LeanK" and dense_bytes else ""
         head = f"{name}: KV {_human(nbytes)}{ratio}, {new} tokens, {secs:.1f} s"
         cols.append((head, answer or "(empty answer)"))
-    print(_side_by_side(cols[0], cols[1], args.width))
+    print(_side_by_side(cols[0], cols[1], width))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

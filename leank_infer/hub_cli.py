@@ -6,70 +6,63 @@ Both go through huggingface_hub, so ``HF_ENDPOINT``, ``HF_TOKEN`` (or ``hf auth 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
+from .cli_types import UsageError
 from .mask import ChannelMask, MaskError
 
 
-def push_main(argv: Sequence[str]) -> int:
-    """Upload a mask repo folder (mask, config, card, plot) to ``REPO_ID`` in one commit."""
-    p = argparse.ArgumentParser(prog="leank push", description="Upload a mask repo folder in one commit.")
-    p.add_argument("folder", help="mask repo folder: mask.safetensors, config.json, README.md, pattern.png")
-    p.add_argument("repo_id", help="Hub model repo (owner/name), created if missing")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
-    p.add_argument("--commit-message", default=None)
-    args = p.parse_args(argv)
+def push(
+    folder: str, repo_id: str, *, private: bool = False, revision: str | None = None, commit_message: str | None = None
+) -> int:
+    """Upload a mask repo folder (mask, config, card, plot) to the Hub in one commit.
+
+    Args:
+        folder: mask repo folder: mask.safetensors, config.json, README.md, pattern.png.
+        repo_id: Hub model repo (owner/name), created if missing.
+        private: create the repo private.
+        revision: branch to commit to (created from main if missing).
+        commit_message: the commit's message.
+    """
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
     from .hub.publish import push_mask
     from .hub.transfer import check_push_target
 
     try:
-        check_push_target(args.repo_id, args.revision)
-        mask = ChannelMask.from_dir(args.folder)  # refuse to push something that does not load
+        check_push_target(repo_id, revision)
+        mask = ChannelMask.from_dir(folder)  # refuse to push something that does not load
         for name in ("README.md", "pattern.png"):
-            if not (Path(args.folder) / name).is_file():
+            if not (Path(folder) / name).is_file():
                 print(
-                    f"leank push: note: {args.folder} has no {name} "
+                    f"leank push: note: {folder} has no {name} "
                     "(write the card and plot with leank_infer.hub.card.write_model_card)",
                     file=sys.stderr,
                 )
         info = push_mask(
-            mask,
-            args.repo_id,
-            private=args.private or None,
-            revision=args.revision,
-            commit_message=args.commit_message,
-            folder=args.folder,
+            mask, repo_id, private=private or None, revision=revision, commit_message=commit_message, folder=folder
         )
     except (MaskError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, OSError) as e:
         text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
-        print(f"leank push: error: {args.repo_id[:200]} (revision {args.revision or 'main'}): {text}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{repo_id[:200]} (revision {revision or 'main'}): {text}") from None
     print(info)
     return 0
 
 
-def pull_main(argv: Sequence[str]) -> int:
-    """Download a mask repo into the Hub cache (or find it there); print its folder and the mask."""
-    p = argparse.ArgumentParser(prog="leank pull", description="Download a mask repo into the Hub cache.")
-    p.add_argument("repo_id", help="Hub model repo (owner/name)")
-    p.add_argument("--revision", default=None, help="branch, tag or full commit id (default: main)")
-    p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: HF_HUB_CACHE)")
-    args = p.parse_args(argv)
+def pull(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None) -> int:
+    """Download a mask repo into the Hub cache (or find it there); print its folder and the mask.
+
+    Args:
+        repo_id: Hub model repo (owner/name).
+        revision: branch, tag or full commit id (default: main).
+        cache_dir: Hub cache folder (default: HF_HUB_CACHE).
+    """
     from .hub.transfer import resolve_mask_dir
 
-    kwargs = {"cache_dir": args.cache_dir} if args.cache_dir else {}
-    try:
-        folder = resolve_mask_dir(args.repo_id, revision=args.revision, **kwargs)
-        mask = ChannelMask.from_dir(folder)
-    except MaskError as e:
-        print(f"leank pull: error: {e}", file=sys.stderr)
-        return 2
+    kwargs = {"cache_dir": cache_dir} if cache_dir else {}
+    folder = resolve_mask_dir(repo_id, revision=revision, **kwargs)
+    mask = ChannelMask.from_dir(folder)
     print(folder)
     print(mask)
     return 0

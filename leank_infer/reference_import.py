@@ -16,13 +16,10 @@ failure leaves nothing behind.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import os
 import shutil
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,29 +205,32 @@ def import_reference_mask(
     return mask
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="leank import",
-        description="Convert a mask released with the LeanK reference implementation (.pth) into a mask repo folder.",
-    )
-    p.add_argument("pth", help="reference mask file (one 0/1 tensor [layers, kv_heads, head_dim], read weights-only)")
-    p.add_argument("out_dir", help="mask repo folder to write (mask.safetensors, config.json, LICENSE, README.md, "
-                                   "pattern.png)")
-    p.add_argument("--base-model", default=None,
-                   help="Hub id of the base model (default: known from the file's sha256 for the released masks)")
-    p.add_argument("--license-file", default=None, help="licence text to copy (default: LICENSE beside the file)")
-    p.add_argument("--source-path", default=None, help="path of the file in the reference repository (provenance)")
-    p.add_argument("--commit", default=REFERENCE_COMMIT, help="reference repository commit the file comes from")
-    p.add_argument("--repo", default=None, help="name the card's usage snippet loads (default: OUT_DIR as given)")
-    p.add_argument("--force", action="store_true", help="replace an existing mask repo folder")
-    args = p.parse_args(argv)
-    try:
-        mask = import_reference_mask(
-            args.pth, args.out_dir, base_model=args.base_model, license_file=args.license_file, repo=args.repo,
-            force=args.force, source_path=args.source_path, commit=args.commit,
-        )  # fmt: skip
-    except MaskError as e:
-        print(f"leank import: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out_dir}: {mask!r}")
+def import_command(
+    pth: str,
+    out_dir: str,
+    *,
+    base_model: str | None = None,
+    license_file: str | None = None,
+    source_path: str | None = None,
+    commit: str = REFERENCE_COMMIT,
+    repo: str | None = None,
+    force: bool = False,
+) -> int:
+    """Convert a mask released with the LeanK reference implementation (.pth) into a mask repo folder.
+
+    Args:
+        pth: reference mask file (one 0/1 tensor [layers, kv_heads, head_dim], read weights-only).
+        out_dir: mask repo folder to write (mask.safetensors, config.json, LICENSE, README.md, pattern.png).
+        base_model: Hub id of the base model (default: known from the file's sha256 for the released masks).
+        license_file: licence text to copy (default: LICENSE beside the file).
+        source_path: path of the file in the reference repository (provenance).
+        commit: reference repository commit the file comes from.
+        repo: name the card's usage snippet loads (default: OUT_DIR as given).
+        force: replace an existing mask repo folder.
+    """
+    mask = import_reference_mask(
+        pth, out_dir, base_model=base_model, license_file=license_file, repo=repo,
+        force=force, source_path=source_path, commit=commit,
+    )  # fmt: skip
+    print(f"wrote {out_dir}: {mask!r}")
     return 0

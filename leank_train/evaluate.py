@@ -15,7 +15,6 @@ The loop is a Lightning ``Trainer.test`` (its progress bar, its logging), metric
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
 import json
@@ -24,7 +23,8 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -32,7 +32,7 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 from leank_infer import ChannelMask
-from leank_infer.cli_types import positive_int
+from leank_infer.cli_types import PositiveInt
 from leank_infer.hub.card import write_model_card
 from leank_infer.model.generation import CACHE_KWARG
 
@@ -491,42 +491,53 @@ def format_sweep(sweep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="leank eval", description="Retrieval accuracy full vs LeanK vs baselines.")
-    p.add_argument("mask", nargs="+",
-                   help="mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only)")
-    p.add_argument("--revision", default=None)
-    p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048])
-    p.add_argument("--samples", type=positive_int, default=6,
-                   help="probes per task and length (with --kinds: per length, the kinds alternate)")
-    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES, metavar="TASK",
-                   help=f"tasks of the suite (default: all of {', '.join(TASK_NAMES)})")
-    p.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
-                   help="the older needle probes instead of the suite")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a smoke test: {QUICK['lengths']} tokens, {QUICK['samples']} probes per task, no KL "
-                        "(overrides --lengths, --samples and the KL)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--no-kl", action="store_true", help="skip the next-token KL measurement")
-    p.add_argument("--json", type=Path, default=None, help="write results (with every answer) to this file")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep")
-    p.add_argument("--card", action="store_true",
-                   help="rewrite the mask folder's model card with these results (and the plot, if drawn)")
-    args = p.parse_args(argv)
-    from .cli import one_line_errors
+def eval_command(
+    mask: list[str],
+    *,
+    revision: str | None = None,
+    lengths: list[PositiveInt] = [1024, 2048],  # noqa: B006 (read only; shown in --help)
+    samples: PositiveInt = 6,
+    tasks: list[Literal[TASK_NAMES]] = list(TASK_NAMES),  # noqa: B006
+    kinds: list[Literal[KINDS]] | None = None,
+    quick: bool = False,
+    methods: list[Literal[METHODS]] = list(METHODS),  # noqa: B006
+    seed: int = 1234,
+    kl: bool = True,
+    json: Path | None = None,
+    plot: Path | None = None,
+    card: bool = False,
+) -> int:
+    """Retrieval accuracy and next-token KL, full vs LeanK vs baselines (several masks: a ratio sweep).
 
-    with one_line_errors("leank eval"):
-        return _main(args, argv)
+    Args:
+        mask: mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only).
+        revision: mask repo revision (Hub).
+        lengths: lengths in tokens (the suite: prompt plus generation, as in RULER).
+        samples: probes per task and length (with --kinds: per length, the kinds alternate).
+        tasks: tasks of the suite (default: all ten, leank_train.ruler).
+        kinds: the older needle probes instead of the suite.
+        quick: a smoke test: one length, two probes per task, no KL (overrides --lengths, --samples, --kl).
+        methods: full model, the learned mask, a random mask, ThinK at the same K budget.
+        seed: seed of the probes.
+        kl: measure the next-token KL(full || LeanK) on held-out text (--no_kl skips it).
+        json: write results (with every answer) to this file.
+        plot: draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep.
+        card: rewrite the mask folder's model card with these results (and the plot, if drawn).
+    """
+    from leank_infer.cli import invocation
+
+    cmd = invocation("leank eval", eval_command, dict(locals()))
+    args = SimpleNamespace(mask=mask, revision=revision, lengths=lengths, samples=samples, tasks=tasks,
+                              kinds=kinds, quick=quick, methods=methods, seed=seed, no_kl=not kl, json=json,
+                              plot=plot, card=card)
+    return _eval(args, cmd)
 
 
-def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _eval(args: SimpleNamespace, cmd: str) -> int:
     from leank_infer import LeanKModel
     from leank_infer.hub.plots import plot_accuracy, plot_ratio_sweep
     from leank_infer.mask import model_positions
 
-    cmd = "leank eval " + " ".join(argv)
     if args.quick:
         args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
     tasks = None if args.kinds else args.tasks
@@ -544,7 +555,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str]) -> int:
             mask = ChannelMask.from_pretrained(path, revision=args.revision)
             model_of = lambda m: (m.base_model, m.adapter, m.adapter_revision, m.config_overrides)  # noqa: E731
             if model_of(mask) != model_of(lm.mask):
-                raise SystemExit(f"leank eval: a sweep needs one base model, adapter and config overrides; "
+                raise RecipeError(f"a sweep needs one base model, adapter and config overrides; "
                                  f"{path} is for {mask.base_model!r} "
                                  f"(adapter {mask.adapter!r}, overrides {mask.config_overrides}), {args.mask[0]} "
                                  f"for {lm.mask.base_model!r} (adapter {lm.mask.adapter!r}, "

@@ -15,14 +15,14 @@ answer tokens with grad against it); each is a dominant term, not an allocator t
   concatenated context + answer K/V, and the answer tokens' own activations. Activation
   checkpointing keeps one layer of that at a time (plus every layer's input).
 
-``python -m leank_train.memory MODEL_ID_OR_DIR --context 32768 [--answer 64] [--sp 1] [--fsdp 1]``
+``leank memory MODEL_ID_OR_DIR --context 32768 [--answer 64] [--sp 1 2 8] [--fsdp 1]``
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+from leank_infer.cli_types import PositiveInt
 from leank_infer.mask.kv_bytes import dense_token_bytes
 
 GiB = 1024**3
@@ -119,22 +119,30 @@ def estimate_step_memory(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the estimate for a few settings of one model and context."""
-    parser = argparse.ArgumentParser(prog="python -m leank_train.memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="Hub id or local folder (the recipes' models work offline)")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--answer", type=int, default=64)
-    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 8], help="sequence-parallel sizes to show")
-    parser.add_argument("--fsdp", type=int, default=1, help="ranks sharding the frozen weights")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.model)
-    print(f"{args.model}: {count_params(cfg) / 1e9:.2f} B params, bf16, context {args.context}, answer {args.answer}")
+def memory(
+    model: str,
+    *,
+    context: PositiveInt = 32768,
+    answer: PositiveInt = 64,
+    sp: list[PositiveInt] = [1, 2, 8],  # noqa: B006 (read only; shown in --help)
+    fsdp: PositiveInt = 1,
+) -> int:
+    """Device memory of one training step, estimated from a model config (no weights, no GPU).
+
+    Args:
+        model: Hub id or local folder (the recipes' models work offline).
+        context: context tokens per sample.
+        answer: answer tokens per sample (the student's part).
+        sp: sequence-parallel sizes to show.
+        fsdp: ranks sharding the frozen weights.
+    """
+    cfg = load_config(model)
+    print(f"{model}: {count_params(cfg) / 1e9:.2f} B params, bf16, context {context}, answer {answer}")
     print("| SP ranks | act. ckpt | K/V B/token/layer | weights GiB | context K/V GiB | teacher GiB | student GiB | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
-    for w in args.sp:
+    for w in sp:
         for ckpt in (False, True):
-            e = estimate_step_memory(cfg, args.context, args.answer, w, args.fsdp, ckpt)
+            e = estimate_step_memory(cfg, context, answer, w, fsdp, ckpt)
             print(f"| {w} | {'yes' if ckpt else 'no'} | {e['kv_bytes_per_token_per_layer']} | {e['weights_gib']:.1f} | "
                   f"{e['context_kv_gib']:.2f} | {e['teacher_transient_gib']:.2f} | {e['student_saved_gib']:.2f} | "
                   f"{e['peak_gib']:.1f} |")
@@ -142,4 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    from leank_infer.cli import main
+
+    raise SystemExit(main(["memory", *sys.argv[1:]]))

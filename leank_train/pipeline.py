@@ -1,19 +1,18 @@
 """``leank run RECIPE.yaml [--key value ...]``: stage 1, stage 2 and the export of a recipe, in one go.
 
-Each stage is the LightningCLI run ``fit --config RECIPE --stage N`` (see :mod:`leank_train.cli`).
-Overrides ``--key value`` go to both stages; ``--stage1.key value`` / ``--stage2.key value`` to one.
-``--quick`` evaluates in the smoke-test mode of ``leank eval --quick`` (``--evaluate.quick true``).
-Stage 2 starts from the mask folder stage 1 exported (``--model.init_scores`` is set to it), and
-stage 2's export is the recipe's output mask repo. A recipe's ``compare_to`` (a committed mask folder)
-is read before training and, at the end, set beside the new mask (:mod:`leank_train.compare`).
+A recipe is flat and typed (:class:`leank_train.recipe.Recipe`); every key can be given on the command
+line (``--stage2.steps 80``, ``--trainer.devices 8``, ``--mask_dir hub/...``). Each stage is the
+LightningCLI ``fit`` run of the config :func:`~leank_train.recipe.stage_config` derives for it; stage 2
+starts from the scores stage 1 exported. A recipe's ``compare_to`` (a committed mask folder) is read
+before training and, at the end, set beside the new mask (:mod:`leank_train.compare`).
 
 Rerunning the same command after an interruption (kill -9, power loss) loses nothing: each stage
-checkpoints to ``<checkpoint.dirpath>/<fingerprint>/last.ckpt`` (Lightning's ``ModelCheckpoint``,
-every ``checkpoint.every_n_train_steps`` steps) and runs with ``--ckpt_path last``, so an unfinished
-stage resumes from its last checkpoint; a stage whose mask folder was exported by a run of the same
-settings (a ``finished.json`` next to its checkpoints, and the folder loads) is skipped. The
-fingerprint hashes the resolved stage config (minus logging and evaluation settings) and, for
-stage 2, the stage-1 scores it starts from: changed settings never resume from a stale checkpoint.
+checkpoints to ``<out_dir>/checkpoints/stageN/<fingerprint>/last.ckpt`` (Lightning's ``ModelCheckpoint``)
+and runs with ``--ckpt_path last``, so an unfinished stage resumes from its last checkpoint; a stage whose
+mask folder was exported by a run of the same settings (a ``finished.json`` next to its checkpoints, and
+the folder loads) is skipped. The fingerprint hashes the resolved stage config (minus logging and
+evaluation settings) and, for stage 2, the stage-1 scores it starts from: changed settings never resume
+from a stale checkpoint.
 """
 
 from __future__ import annotations
@@ -24,10 +23,11 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
@@ -36,11 +36,12 @@ from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
 
-from .cli import one_line_errors, read_recipe, run_cli
+from .cli import run_cli
 from .compare import MaskSnapshot, format_comparison, read_reference
 from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
+from .recipe import Recipe, stage_config
 
 # settings that change neither the data, the steps nor the learned alpha: leaving them out of the
 # fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
@@ -48,31 +49,9 @@ from .export import ExportMask
 COSMETIC = {
     "config", "ckpt_path", "checkpoint", "evaluate", "push_to_hub", "compare_to", "stage1", "stage2",
     "trainer.logger", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-    "trainer.log_every_n_steps", "trainer.default_root_dir", "export.dirpath", "data.num_workers",
+    "trainer.log_every_n_steps", "trainer.default_root_dir", "export.dirpath", "export.recipe", "data.num_workers",
 }
 FINISHED = "finished.json"
-
-
-def split_overrides(args: Sequence[str]) -> dict[int, list[str]]:
-    """Route ``--key value`` pairs: plain ones to both stages, ``--stageN.key`` ones to stage N only."""
-    routed: dict[int, list[str]] = {1: [], 2: []}
-    items = list(args)
-    i = 0
-    while i < len(items):
-        flag = items[i]
-        if not flag.startswith("--"):
-            raise SystemExit(f"leank run: expected --key value, got {flag!r}")
-        pair = [flag] if "=" in flag else items[i : i + 2]
-        i += len(pair)
-        for stage in (1, 2):
-            prefix = f"--stage{stage}."
-            if flag.startswith(prefix):
-                routed[stage] += ["--" + pair[0][len(prefix) :], *pair[1:]]
-                break
-        else:
-            routed[1] += pair
-            routed[2] += pair
-    return routed
 
 
 def _export_dir(cli) -> str:
@@ -83,7 +62,7 @@ def _export_dir(cli) -> str:
             cb.exported is not None or not cli.trainer.is_global_zero
         ):
             return str(cb.exported or cb.dirpath)
-    raise SystemExit("the stage wrote no mask folder: set export.dirpath in the recipe")
+    raise RecipeError("the stage wrote no mask folder")
 
 
 def _fmt(value: float | None) -> str:
@@ -122,20 +101,18 @@ def _complete(folder: str | None) -> bool:
 
 
 def run_stage(
-    recipe: str, stage: int, overrides: Sequence[str], before: Callable[[dict[str, Any]], None] | None = None
+    recipe: Recipe, stage: Literal[1, 2], before: Callable[[dict[str, Any]], None] | None = None
 ) -> tuple[str, dict[str, Any]]:
     """Run (or resume, or skip) one stage of a recipe; returns (its export folder, its resolved config).
 
     ``before`` sees the resolved config before anything trains or is written.
     """
-    args = ["--config", recipe, "--stage", str(stage), *overrides]
+    args = ["--config", yaml.safe_dump(stage_config(recipe, stage, recipe_text(recipe)), sort_keys=False)]
     probe = run_cli(args, run=False)  # parse + instantiate (nothing is loaded or written): the resolved config
     cfg = yaml.safe_load(probe.parser.dump(probe.config, skip_none=False))
     if before is not None:
         before(cfg)
-    export_dir = (cfg.get("export") or {}).get("dirpath")
-    if not export_dir:
-        raise SystemExit(f"leank run: stage {stage} writes no mask folder: set export.dirpath in the recipe")
+    export_dir = cfg["export"]["dirpath"]
     fingerprint = stage_fingerprint(cfg, (cfg.get("model") or {}).get("init_scores") if stage == 2 else None)
     root = (cfg.get("checkpoint") or {}).get("dirpath") or os.path.join(
         (cfg.get("trainer") or {}).get("default_root_dir") or ".", "checkpoints", f"stage{stage}"
@@ -173,37 +150,49 @@ def _training_loss(folder: str) -> float | None:
     return (ChannelMask.from_dir(folder).extra.get("training") or {}).get("final_distill_loss_last10")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a recipe end to end and print wall time, final distillation loss and what the mask keeps."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
+def recipe_text(recipe: Recipe) -> str:
+    """The resolved recipe as YAML: stored in the mask's config.json, it reruns as ``leank run FILE``."""
+    return yaml.safe_dump(asdict(recipe), sort_keys=False)
+
+
+def run(recipe: Recipe, *, stage: Literal[1, 2] | None = None, quick: bool = False, dump: bool = False) -> int:
+    """Train a recipe: stage 1, stage 2, export, evaluation into the model card (resumes when rerun).
+
+    Args:
+        recipe: the recipe (recipes/*.yaml); any key can follow as --key value.
+        stage: run only this stage (stage 2 starts from the scores in stage1_dir).
+        quick: evaluate in the smoke-test mode of ``leank eval --quick``.
+        dump: print the stages' LightningCLI fit configs (what ``leank fit --config`` takes) and stop.
+    """
+    if quick:
+        recipe.evaluate.quick = True
+    stages: tuple[Literal[1, 2], ...] = (1, 2) if stage is None else (stage,)
+    if dump:
+        for s in stages:
+            print(yaml.safe_dump(stage_config(recipe, s), sort_keys=False), end="")
         return 0
-    # --quick: the evaluation's smoke-test mode (leank_train.evaluate.QUICK), for both stages' configs
-    rest = [a for a in args[1:] if a != "--quick"]
-    if len(rest) < len(args) - 1:
-        rest += ["--evaluate.quick", "true"]
-    with one_line_errors("leank run"):
-        read_recipe(args[0])  # a missing, binary or non-mapping recipe: one clear error before anything runs
-        return _run(args[0], split_overrides(rest))
+    return _run(recipe, stages)
 
 
-def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
+def _run(recipe: Recipe, stages: tuple[int, ...] = (1, 2)) -> int:
     start = time.perf_counter()
     references: dict[str, MaskSnapshot] = {}
 
     def read_compare_to(cfg: dict[str, Any]) -> None:
         # read now: the stage-2 export may replace this very folder (reproducing the committed mask)
-        folder = cfg.get("compare_to")
+        folder = recipe.compare_to
         if folder and folder not in references:
             references[folder] = read_reference(folder)
 
-    stage1_dir, _ = run_stage(recipe, 1, overrides[1], before=read_compare_to)
-    t1 = time.perf_counter() - start
-    loss1 = _training_loss(stage1_dir)
-    print(f"[leank run] stage 1 done in {t1:.0f} s, mask scores in {stage1_dir}", flush=True)
-
-    out_dir, cfg = run_stage(recipe, 2, [*overrides[2], "--model.init_scores", stage1_dir], before=read_compare_to)
+    loss1, t1 = None, 0.0
+    if 1 in stages:
+        stage1_dir, _ = run_stage(recipe, 1, before=read_compare_to if stages == (1, 2) else None)
+        t1 = time.perf_counter() - start
+        loss1 = _training_loss(stage1_dir)
+        print(f"[leank run] stage 1 done in {t1:.0f} s, mask scores in {stage1_dir}", flush=True)
+        if 2 not in stages:
+            return 0
+    out_dir, cfg = run_stage(recipe, 2, before=read_compare_to)
     if rank_zero_only.rank != 0:
         return 0  # multi-GPU: rank 0 reports, evaluates and pushes
     wall = time.perf_counter() - start
@@ -217,17 +206,16 @@ def _run(recipe: str, overrides: dict[int, list[str]]) -> int:
         f"  v_kept_fraction    {stats['v_kept_fraction']:.3f}\n"
         f"  zero heads         {stats['zero_heads']} of {stats['total_heads']}\n"
         f"  mask repo          {out_dir}"
-        + ("" if cfg.get("push_to_hub") else f"\n  publish it with    leank push {out_dir} ORG/NAME"),
+        + ("" if recipe.push_to_hub else f"\n  publish it with    leank push {out_dir} ORG/NAME"),
         flush=True,
     )
-    settings = EvalSettings(**cfg["evaluate"])
-    if settings.enabled:
-        _evaluate_into_card(out_dir, settings)
-    if cfg.get("push_to_hub"):
-        info = push_folder(out_dir, cfg["push_to_hub"])
+    if recipe.evaluate.enabled:
+        _evaluate_into_card(out_dir, recipe.evaluate)
+    if recipe.push_to_hub:
+        info = push_folder(out_dir, recipe.push_to_hub)
         print(f"[leank run] pushed to {info}", flush=True)
-    if cfg.get("compare_to"):
-        print(format_comparison(MaskSnapshot.read(out_dir), references[cfg["compare_to"]]), flush=True)
+    if recipe.compare_to:
+        print(format_comparison(MaskSnapshot.read(out_dir), references[recipe.compare_to]), flush=True)
     return 0
 
 
@@ -247,4 +235,6 @@ def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from leank_infer.cli import main
+
+    raise SystemExit(main(["run", *sys.argv[1:]]))
