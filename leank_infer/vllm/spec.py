@@ -4,8 +4,8 @@ vLLM lets an attention backend adjust a layer's KV cache spec (``AttentionBacken
 but that hook sees the spec, not the layer, and a LeanK page differs per layer (each layer keeps
 its own channels). So :func:`install` wraps ``Attention.get_kv_cache_spec``: a layer whose
 implementation is LeanK's gets its packed page size; any other full-attention decoder layer of an
-engine that names a LeanK mask is an error (the LeanK backend is not what runs it, e.g. on a GPU,
-where the CUDA path is not built yet), raised before the KV pool is allocated. vLLM then groups
+engine that names a LeanK mask is an error (a LeanK backend is not what runs it: on a GPU, another
+attention backend than ``TRITON_ATTN`` was chosen), raised before the KV pool is allocated. vLLM then groups
 the layers itself (same type, different page sizes: ``UniformTypeKVCacheSpecs``).
 """
 
@@ -41,8 +41,8 @@ def install() -> None:
             and settings_from(getattr(vllm_config, "additional_config", None)) is not None
         ):
             raise MaskError(
-                f"a LeanK mask is set but layer {self.layer_name} runs {type(self.impl).__name__}: the LeanK "
-                "vLLM backend exists for vLLM's CPU build only (CPU_ATTN); the CUDA path is not built yet"
+                f"a LeanK mask is set but layer {self.layer_name} runs {type(self.impl).__name__}: LeanK runs in "
+                "vLLM's CPU_ATTN backend (CPU build) and TRITON_ATTN (GPUs: pass --attention-backend TRITON_ATTN)"
             )
         return spec
 
