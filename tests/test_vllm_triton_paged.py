@@ -61,3 +61,17 @@ def test_triton_paged_equals_the_torch_path(dtype, mid, monkeypatch):
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
     want = dense_leank(q, k, v, keep, sink, mid_end, 0.125)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_gpu_check_runs_the_paged_kernel_check_at_cpu_size():
+    """benchmarks/gpu_check.py's vllm part checks this kernel on a Llama-8B mask layer (here: interpreter, fp16)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("leank_gpu_check_vllm", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    (row,) = mod.part_vllm_kernel(True, torch.device("cpu"))
+    assert "1 request x 300" in row["setting"] and row["result"].endswith("(ok)"), row
