@@ -1,8 +1,9 @@
-"""LeanK attention for vLLM's CPU backend: pruned pages, exact LeanK decode.
+"""LeanK attention for vLLM: pruned pages, exact LeanK decode (:class:`LeanKAttentionMixin`).
 
 Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's
-``register_backend`` override of a built-in backend). Without a LeanK mask in the engine's
-settings every layer is vLLM's own CPU attention, unchanged. With one, each full-attention layer:
+``register_backend`` override of a built-in backend; the CUDA variant over ``TRITON_ATTN`` is
+:mod:`~leank_infer.vllm.backend_cuda`). Without a LeanK mask in the engine's settings every layer
+is vLLM's own attention, unchanged. With one, each full-attention layer:
 
 - gets a KV cache spec whose page holds, per token, only the kept K channels and the V of heads
   keeping any (:mod:`~leank_infer.vllm.layout`); vLLM sizes its pool with it, so its
@@ -11,7 +12,9 @@ settings every layer is vLLM's own CPU attention, unchanged. With one, each full
   rows in the pages and the full K/V of the sink and recent tokens in a small per-request side
   store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
 - decode: the LeanK rule (:func:`leank_infer.rule.recent_from`, the core's rule): sink and recent keys
-  with every channel from the side store, middle keys with the kept channels from the pages.
+  with every channel from the side store, middle keys with the kept channels read from the packed
+  pages through the block table (:mod:`~leank_infer.vllm.paged_decode`; on CUDA tensors the Triton
+  kernel :mod:`~leank_infer.vllm.triton_paged`).
 
 Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
 prefilled in one step, as the HF path does), tensor parallelism, quantised KV cache. A request
