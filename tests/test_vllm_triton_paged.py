@@ -16,9 +16,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from test_vllm_parts import dense_leank, paged_case  # noqa: E402
+
 from leank_infer.vllm.paged_decode import paged_decode  # noqa: E402
 from leank_infer.vllm.triton_paged import triton_paged_decode  # noqa: E402
-from tests.test_vllm_parts import dense_leank, paged_case  # noqa: E402
 
 
 def test_whole_file_in_a_fresh_process():
