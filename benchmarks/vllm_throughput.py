@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plain = run_child(args, context, "", 0)
         rows += [plain, run_child(args, context, args.mask, plain["running"])]
     model = args.model or "embedded SmolLM2-135M-Instruct"
-    print(f"{model}, {args.dtype}, KV memory {args.kv_mib} MiB, mask {args.mask}; "
+    mask = Path(args.mask)
+    shown = mask.relative_to(ROOT) if mask.is_absolute() and mask.is_relative_to(ROOT) else mask
+    print(f"{model}, {args.dtype}, KV memory {args.kv_mib} MiB, mask {shown}; "
           f"{args.threads} thread(s) of {os.cpu_count()} CPUs; {time.perf_counter() - start:.0f} s")  # fmt: skip
     print(
         "| context | engine | KV tokens (vLLM) | concurrency reported | seqs running | decode tok/s at max "
