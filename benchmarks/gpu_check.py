@@ -13,7 +13,11 @@ Parts, each timed and guarded (a failing part is a FAILED row, the others still 
 3. train: a few bf16 steps of recipes/llama-3.1-8b.yaml's settings (sink 128, training recent 1024, ratio 0.7,
    align 32, activation checkpointing) on the same random model through a Lightning Trainer, at a 32k-token
    context: seconds per step and peak memory against ``leank_train.memory``'s estimate;
-4. vllm: whether vLLM and a leank plugin are importable (reported, not exercised).
+4. vllm: the vLLM backend's Triton paged decode (leank_infer/vllm/triton_paged.py) against its PyTorch path
+   on one Llama-8B layer at 8k/32k (error, ms per call next to dense SDPA); then, when vLLM (CUDA build)
+   and the leank plugin are installed, ``benchmarks/vllm_throughput.py`` on the 8B shape with random
+   weights (``--load-format dummy``, ``--attention-backend TRITON_ATTN``): plain vs LeanK KV tokens,
+   sequences running and decode tokens/s at 32k in 8 GiB of KV.
 
 The last thing printed is one short markdown table; it is also written to ``--out``. Random weights: the
 timings and memory are the real model's (same shapes, same kernels), the generated tokens are noise.
@@ -291,7 +295,75 @@ def part_train(model, small: bool, device: torch.device, steps: int, context: in
     }]  # fmt: skip
 
 
-def part_vllm() -> list[dict[str, str]]:
+def _median_ms(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def _time_paged(args: tuple, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> str:
+    """ms per call of the Triton paged decode, its torch path, and dense SDPA over all ``k``/``v`` (the plain baseline)."""
+    from leank_infer.vllm.paged_decode import paged_decode
+    from leank_infer.vllm.triton_paged import triton_paged_decode
+
+    q = args[0]
+    qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[:, None], k, v))  # [1, H, n, D]
+    t_kernel = _median_ms(lambda: triton_paged_decode(*args), device, 20)
+    t_torch = _median_ms(lambda: paged_decode(*args), device, 20)
+    t_dense = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), device, 20)
+    return f"{t_kernel:.3f} ms vs torch path {t_torch:.3f} ms, dense SDPA {t_dense:.3f} ms"
+
+
+def part_vllm_kernel(small: bool, device: torch.device) -> list[dict[str, str]]:
+    """The vLLM backend's Triton paged decode (one request, one layer of the Llama mask) against its PyTorch
+    path: max error, and ms per call next to the torch path and dense SDPA over the same context (GPU)."""
+    from leank_infer import triton_decode
+    from leank_infer.vllm.layout import PackedLayout
+    from leank_infer.vllm.paged_decode import paged_decode
+    from leank_infer.vllm.triton_paged import triton_paged_decode
+
+    if device.type != "cuda" and not triton_decode.kernels_interpreted():
+        return [{"part": "vllm", "setting": "paged kernel", "result": "skipped: no GPU and no triton interpreter"}]
+    mask = llama_mask(small)
+    keep = mask.keep[1 if small else 10]
+    layout = PackedLayout.from_keep(keep).to(device)
+    hkv, d = keep.shape
+    hq, bs = hkv * 4, 16
+    dtype = torch.float16 if small else torch.bfloat16
+    rows = []
+    for n in [300] if small else [8192, 32768]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        k = torch.randn(n, hkv, d, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(n, hkv, d, device=device, dtype=dtype, generator=gen)
+        q = torch.randn(hq, d, device=device, dtype=dtype, generator=gen)
+        nblocks = -(-n // bs)
+        block_row = torch.randperm(nblocks, device=device, generator=gen).int()
+        pages = torch.zeros(nblocks, bs, layout.width, device=device, dtype=dtype)
+        pos = torch.arange(n, device=device)
+        pages.view(-1, layout.width)[block_row.long()[pos // bs] * bs + pos % bs] = layout.pack(k, v)
+        sink, recent = min(mask.sink_size, n // 4), min(mask.recent_size, n // 4)
+        full = torch.cat([torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)])
+        args = (q, k[full], v[full], pages, block_row, sink, n - recent, layout, d**-0.5)
+        got = triton_paged_decode(*args).float()
+        ref = paged_decode(q.float(), k[full].float(), v[full].float(), pages.float(), *args[4:])
+        err = (got - ref).abs().max().item()
+        ok = err < 2e-2
+        setting = f"paged kernel, {str(dtype)[6:]}, 1 request x {n}, Llama-8B layer heads"
+        result = f"max abs error vs torch path {err:.1e} ({'ok' if ok else 'MISMATCH'})"
+        if device.type == "cuda":
+            result += "; " + _time_paged(args, k, v, device)
+        rows.append({"part": "vllm", "setting": setting, "result": result})
+    return rows
+
+
+def part_vllm_engine(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
+    """vLLM vs vLLM + LeanK end to end on the 8B shape with random weights (benchmarks/vllm_throughput.py
+    on --attention-backend TRITON_ATTN): KV tokens, sequences running, decode tokens/s (GPU only)."""
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - any failure to import means the path is absent here
@@ -300,8 +372,36 @@ def part_vllm() -> list[dict[str, str]]:
 
     plugins = [ep.name for ep in entry_points(group="vllm.general_plugins") if "leank" in ep.value]
     found = f"leank plugin {plugins}" if plugins else "no leank plugin registered"
-    return [{"part": "vllm", "setting": f"vllm {vllm.__version__}",
-             "result": f"importable; {found}; not exercised by this script"}]  # fmt: skip
+    setting = f"vllm {vllm.__version__}"
+    if device.type != "cuda" or small or budget():
+        why = "time budget" if budget() else "GPU only"
+        return [{"part": "vllm", "setting": setting, "result": f"importable; {found}; engine run skipped ({why})"}]
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vllm_throughput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llama_config(False).save_pretrained(tmp)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rows = vllm_throughput.main([
+                "--model", tmp, "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend",
+                "TRITON_ATTN", "--any-base-model", "--mask", str(MASK_DIR), "--kv-mib", "8192",
+                "--contexts", "32768", "--steps", "8",
+            ])  # fmt: skip
+        print(buf.getvalue(), end="")
+    out = []
+    for r in rows:
+        f, s = r["full"], r["same_batch"]
+        out.append({"part": "vllm", "setting": f"{setting}, {r['engine']}, 8B random weights, 32k, 8 GiB KV",
+                    "result": f"{r['kv_cache_tokens']:,} KV tokens, {r['running']} seqs running, "
+                              f"{f['tok_s']:.1f} decode tok/s; at batch {s['batch']}: {s['tok_s']:.1f} tok/s"})  # fmt: skip
+    return out
+
+
+def part_vllm(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
+    return part_vllm_kernel(small, device) + part_vllm_engine(small, device, budget)
 
 
 # ---- driver ----------------------------------------------------------------------------------------
@@ -368,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in args.parts:
         run("train", lambda: part_train(model_once(), small, device, args.train_steps, args.train_context))
     if "vllm" in args.parts:
-        run("vllm", part_vllm)
+        run("vllm", lambda: part_vllm(small, device, over_budget))
 
     summary = (f"gpu_check on {where} ({versions}), {time.perf_counter() - start:.0f} s\n"
                f"command: {command}\n\n{table(rows)}\n")  # fmt: skip

@@ -50,14 +50,14 @@ def test_time_budget_skips_parts_and_still_writes_the_table(gpu_check, tmp_path,
 
 
 def test_vllm_part_reports_what_is_importable(gpu_check):
-    (row,) = gpu_check.part_vllm()
+    (row,) = gpu_check.part_vllm_engine(True, torch.device("cpu"), lambda: False)
     assert row["part"] == "vllm"
     try:
         import vllm  # noqa: F401
     except Exception:  # noqa: BLE001
         assert row["result"].startswith("skipped: vllm not importable")
     else:
-        assert row["result"].startswith("importable")
+        assert row["result"].startswith("importable") and "engine run skipped (GPU only)" in row["result"]
 
 
 def test_the_full_size_model_is_the_8b_config(gpu_check):
@@ -75,7 +75,7 @@ def test_the_full_size_model_is_the_8b_config(gpu_check):
 def test_cpu_sized_variant_of_every_part(gpu_check, tmp_path, monkeypatch, capsys):
     """Every part runs at CPU size; a failing part becomes a FAILED row (exit 1) and the others still report."""
 
-    def broken():
+    def broken(*args):
         raise RuntimeError("plugin exploded")
 
     monkeypatch.setattr(gpu_check, "part_vllm", broken)

@@ -55,3 +55,54 @@ def test_settings_come_from_additional_config_or_the_environment(monkeypatch):
         settings_from({"leank_mask": "a", "leank_ratio": 0.5})
     with pytest.raises(MaskError, match="true or false"):
         settings_from({"leank_mask": "a", "leank_check_base_model": "no"})
+
+
+def paged_case(dtype=torch.float32, seed=0, n_tokens=150, block_size=16):
+    """A request's K/V in shuffled pages plus the dense reference inputs: 4 KV heads x 2 queries, one head keeping nothing."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, grp, d = 4, 2, 32
+    keep = torch.rand(hkv, d, generator=g) < 0.3
+    keep[1] = False  # a head with no middle keys
+    keep[3, :] = True  # a head keeping every channel
+    layout = PackedLayout.from_keep(keep)
+    k = torch.randn(n_tokens, hkv, d, generator=g)
+    v = torch.randn(n_tokens, hkv, d, generator=g)
+    q = torch.randn(hkv * grp, d, generator=g)
+    nblocks = -(-n_tokens // block_size)
+    block_row = torch.randperm(nblocks + 5, generator=g)[:nblocks].int()  # the request's blocks, scattered
+    pages = torch.zeros(nblocks + 5, block_size, layout.width)
+    pos = torch.arange(n_tokens)
+    slots = block_row.long()[pos // block_size] * block_size + pos % block_size
+    pages.view(-1, layout.width)[slots] = layout.pack(k, v)
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    return keep, layout, cast(q), cast(k), cast(v), cast(pages), block_row
+
+
+def dense_leank(q, k, v, keep, sink, mid_end, scale):
+    """The LeanK rule written densely: middle keys [sink, mid_end) with kept channels only, heads keeping none skip them."""
+    q, k, v = q.double(), k.double(), v.double()
+    hkv, d = keep.shape
+    grp = q.shape[0] // hkv
+    out = []
+    for h in range(hkv):
+        kk = k[:, h].clone()
+        kk[sink:mid_end] *= keep[h]
+        s = q[h * grp : (h + 1) * grp] @ kk.t() * scale
+        if not keep[h].any():
+            s[:, sink:mid_end] = float("-inf")
+        out.append(torch.softmax(s, -1) @ v[:, h])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("mid", [(16, 100), (16, 16), (3, 149)])
+def test_paged_decode_equals_the_dense_rule(mid):
+    """Middle keys read from shuffled packed pages give the LeanK rule's attention (fp32 vs fp64 dense)."""
+    from leank_infer.vllm.paged_decode import paged_decode
+
+    sink, mid_end = mid
+    keep, layout, q, k, v, pages, block_row = paged_case()
+    full = torch.cat([torch.arange(sink), torch.arange(mid_end, k.shape[0])])
+    got = paged_decode(q, k[full], v[full], pages, block_row, sink, mid_end, layout, 0.125)
+    # the dense rule over the same keys, in position order (the softmax does not care about order)
+    want = dense_leank(q, k, v, keep, sink, mid_end, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -16,10 +16,11 @@ Nothing in ``leank_infer`` imports this package: only vLLM (through the entry po
 from __future__ import annotations
 
 BACKEND = "leank_infer.vllm.backend.LeanKCPUAttentionBackend"
+CUDA_BACKEND = "leank_infer.vllm.backend_cuda.LeanKTritonAttentionBackend"
 
 
 def register() -> None:
-    """vLLM general plugin: put the LeanK backend in place of vLLM's CPU attention backend.
+    """vLLM general plugin: put the LeanK backends in place of vLLM's CPU and Triton attention backends.
 
     ``register_backend`` takes a class path (the backend is imported when vLLM builds its first
     attention layer); the backend acts only when the engine's ``additional_config`` (or
@@ -31,4 +32,5 @@ def register() -> None:
     from .spec import install
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)  # GPUs: --attention-backend TRITON_ATTN
     install()

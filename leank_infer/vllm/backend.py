@@ -1,8 +1,9 @@
-"""LeanK attention for vLLM's CPU backend: pruned pages, exact LeanK decode.
+"""LeanK attention for vLLM: pruned pages, exact LeanK decode (:class:`LeanKAttentionMixin`).
 
 Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's
-``register_backend`` override of a built-in backend). Without a LeanK mask in the engine's
-settings every layer is vLLM's own CPU attention, unchanged. With one, each full-attention layer:
+``register_backend`` override of a built-in backend; the CUDA variant over ``TRITON_ATTN`` is
+:mod:`~leank_infer.vllm.backend_cuda`). Without a LeanK mask in the engine's settings every layer
+is vLLM's own attention, unchanged. With one, each full-attention layer:
 
 - gets a KV cache spec whose page holds, per token, only the kept K channels and the V of heads
   keeping any (:mod:`~leank_infer.vllm.layout`); vLLM sizes its pool with it, so its
@@ -11,7 +12,9 @@ settings every layer is vLLM's own CPU attention, unchanged. With one, each full
   rows in the pages and the full K/V of the sink and recent tokens in a small per-request side
   store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
 - decode: the LeanK rule (:func:`leank_infer.decode.rule.recent_from`, the core's rule): sink and recent keys
-  with every channel from the side store, middle keys with the kept channels from the pages.
+  with every channel from the side store, middle keys with the kept channels read from the packed
+  pages through the block table (:mod:`~leank_infer.vllm.paged_decode`; on CUDA tensors the Triton
+  kernel :mod:`~leank_infer.vllm.triton_paged`).
 
 Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
 prefilled in one step, as the HF path does), tensor parallelism, quantised KV cache. A request
@@ -36,7 +39,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ..decode.rule import recent_from
 from ..mask import ChannelMask, MaskError
 from .layout import PackedLayout
+from .paged_decode import paged_decode
 from .settings import load_checked_mask, settings_from
+from .triton_paged import triton_paged_decode
 
 
 def check_engine(vllm_config: Any) -> None:
@@ -59,6 +64,9 @@ def check_engine(vllm_config: Any) -> None:
         raise MaskError("LeanK serving does not support " + "; ".join(problems))
 
 
+_NO_WINDOW = (-1, None, (-1, -1))  # how vLLM's CPU and Triton implementations spell "no sliding window"
+
+
 @dataclass
 class _RequestState:
     """Full-channel K/V of one request in one layer: the sink, and the recent part from ``tail_start``."""
@@ -76,8 +84,9 @@ class _RequestState:
         return sum(t.numel() * t.element_size() for t in (self.head_k, self.head_v, self.tail_k, self.tail_v))
 
 
-class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, or LeanK attention when the engine names a mask (see the module docstring)."""
+class LeanKAttentionMixin:
+    """LeanK attention over a vLLM attention implementation (the next class in the MRO), which runs
+    every layer that is not LeanK's: no mask in the engine, a dense layer of the mask, a sliding window."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -88,11 +97,21 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         self.step = 0
         config = get_current_vllm_config()
         settings = settings_from(getattr(config, "additional_config", None))
-        if settings is None or self.attn_type != AttentionType.DECODER or self.sliding_window != -1:
+        if settings is None or self.attn_type != AttentionType.DECODER or self.sliding_window not in _NO_WINDOW:
             return  # not a LeanK layer: vLLM's own attention
         check_engine(config)
+        self.check_platform(config)
         self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
         self.max_states = 2 * config.scheduler_config.max_num_seqs + 8
+
+    def check_platform(self, vllm_config: Any) -> None:
+        """Refuse what this implementation cannot run (the CUDA variant needs eager mode)."""
+
+    def _on(self, device: torch.device) -> PackedLayout:
+        """The layer's layout with its indices on ``device`` (moved once)."""
+        if self.layout.k_index.device != device:
+            self.layout = self.layout.to(device)
+        return self.layout
 
     # ---- binding to a layer of the mask -------------------------------------------------------
     def bind(self, layer_name: str) -> None:
@@ -133,7 +152,7 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
         keep = slots >= 0  # padding tokens carry slot -1
-        rows = self.layout.pack(
+        rows = self._on(key.device).pack(
             key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1)
         )
         pages = self._pages(kv_cache)
@@ -270,28 +289,17 @@ class LeanKCPUAttentionImpl(CPUAttentionBackendImpl):
         st.length = length + 1
         full_k = torch.cat([st.head_k, st.tail_k])  # [nf, Hkv, D]
         full_v = torch.cat([st.head_v, st.tail_v])
-        group = self.num_heads // self.num_kv_heads
-        qh = q.view(self.num_kv_heads, group, -1)  # [Hkv, G, D]
-        scores = [torch.einsum("hgd,nhd->hgn", qh, full_k.to(q.dtype))]
-        values = [full_v]
-        middle = max(0, r - mask.sink_size)
-        if middle:
-            pos = torch.arange(mask.sink_size, r, device=q.device)
-            slots = block_row.long()[pos // block_size] * block_size + pos % block_size
-            mk, mv = self.layout.unpack(pages.index_select(0, slots))
-            s_mid = torch.einsum("hgd,nhd->hgn", qh, mk.to(q.dtype))
-            s_mid.masked_fill_(~self.layout.head_has_middle.view(-1, 1, 1), float("-inf"))
-            scores.append(s_mid)
-            values.append(mv)
-        logits = torch.cat(scores, dim=-1).float() * self.scale
-        p = torch.softmax(logits, dim=-1)
-        vals = torch.cat(values).float()  # [n, Hkv, D]
-        o = torch.einsum("hgn,nhd->hgd", p, vals)
-        return o.reshape(self.num_heads, -1).to(q.dtype)
+        pages3 = pages.view(-1, block_size, pages.shape[-1])
+        decode = triton_paged_decode if q.is_cuda else paged_decode
+        return decode(q, full_k, full_v, pages3, block_row, mask.sink_size, r, self._on(q.device), self.scale)
 
     def states_nbytes(self) -> int:
         """Bytes of the side store of this layer right now (full-channel sink and recent K/V)."""
         return sum(s.nbytes() for s in self.states.values())
+
+
+class LeanKCPUAttentionImpl(LeanKAttentionMixin, CPUAttentionBackendImpl):
+    """vLLM's CPU attention, or LeanK attention when the engine names a mask (see the module docstring)."""
 
 
 class LeanKCPUAttentionBackend(CPUAttentionBackend):

@@ -12,6 +12,7 @@ pages (see :mod:`leank_infer.vllm.backend`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -74,6 +75,11 @@ class PackedLayout:
         v.index_copy_(1, self.v_index, rows[:, nk : nk + self.v_index.numel()])
         shape = (n, self.num_kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
+
+    @cached_property
+    def v_heads(self) -> list[int]:
+        """KV heads whose V a page row stores, in row order."""
+        return (self.v_index[:: self.head_dim] // self.head_dim).tolist()
 
     @property
     def head_has_middle(self) -> torch.Tensor:

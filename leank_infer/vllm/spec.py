@@ -1,12 +1,21 @@
 """Per-layer KV cache specs for LeanK layers: the one place the plugin wraps a vLLM method.
 
-vLLM lets an attention backend adjust a layer's KV cache spec (``AttentionBackend.customize_spec``),
-but that hook sees the spec, not the layer, and a LeanK page differs per layer (each layer keeps
-its own channels). So :func:`install` wraps ``Attention.get_kv_cache_spec``: a layer whose
-implementation is LeanK's gets its packed page size; any other full-attention decoder layer of an
-engine that names a LeanK mask is an error (the LeanK backend is not what runs it, e.g. on a GPU,
-where the CUDA path is not built yet), raised before the KV pool is allocated. vLLM then groups
-the layers itself (same type, different page sizes: ``UniformTypeKVCacheSpecs``).
+vLLM lets an attention backend adjust a layer's KV cache spec, but not per layer: in vLLM 0.32
+``AttentionBackend.customize_spec(cls, spec)`` (``vllm/v1/attention/backend.py``) is a classmethod
+that gets only the spec. Its caller, ``customize_attention_spec(backend, spec)``
+(``vllm/v1/worker/utils.py``), is called from ``GPUModelRunner.get_kv_cache_spec`` (which the CPU
+runner inherits) and from ``vllm/v1/worker/gpu/attn_utils.py``, each with the layer name and module
+in hand but not passed on; and every layer of a model shares one backend class. A LeanK page
+differs per layer (each layer keeps its own channels), so the missing interface is a per-layer
+one: the layer (its name or module) passed to ``customize_spec``, or an implementation-level hook
+such as ``AttentionImpl.get_kv_cache_spec(layer_name, spec)``. (The hook's own docstring calls it
+temporary: the stated end state, vLLM issue 42449, is backends building the spec themselves.)
+
+Until then :func:`install` wraps ``Attention.get_kv_cache_spec``: a layer whose implementation is
+LeanK's gets its packed page size; any other full-attention decoder layer of an engine that names a
+LeanK mask is an error (a LeanK backend is not what runs it: on a GPU, another attention backend
+than ``TRITON_ATTN`` was chosen), raised before the KV pool is allocated. vLLM then groups the layers
+itself (same type, different page sizes: ``UniformTypeKVCacheSpecs``).
 """
 
 from __future__ import annotations
@@ -41,8 +50,8 @@ def install() -> None:
             and settings_from(getattr(vllm_config, "additional_config", None)) is not None
         ):
             raise MaskError(
-                f"a LeanK mask is set but layer {self.layer_name} runs {type(self.impl).__name__}: the LeanK "
-                "vLLM backend exists for vLLM's CPU build only (CPU_ATTN); the CUDA path is not built yet"
+                f"a LeanK mask is set but layer {self.layer_name} runs {type(self.impl).__name__}: LeanK runs in "
+                "vLLM's CPU_ATTN backend (CPU build) and TRITON_ATTN (GPUs: pass --attention-backend TRITON_ATTN)"
             )
         return spec
 

@@ -1,0 +1,36 @@
+"""The CUDA side of the plugin as far as a CPU machine can check it: registration and start-up refusals.
+
+The decode kernel itself is tested on triton's interpreter (tests/test_vllm_triton_paged.py); a GPU
+engine run is benchmarks/gpu_check.py's vllm part (unmeasured here: no GPU).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from leank_infer import MaskError
+
+
+def test_register_puts_leank_in_both_backend_slots():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from leank_infer.vllm import BACKEND, CUDA_BACKEND, register
+
+    register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND
+    assert AttentionBackendEnum.TRITON_ATTN.get_path() == CUDA_BACKEND
+    cls = AttentionBackendEnum.TRITON_ATTN.get_class()
+    from leank_infer.vllm.backend import LeanKAttentionMixin
+
+    assert issubclass(cls.get_impl_cls(), LeanKAttentionMixin)
+
+
+def test_cuda_variant_refuses_cuda_graphs():
+    from leank_infer.vllm.backend_cuda import LeanKTritonAttentionImpl
+
+    impl = object.__new__(LeanKTritonAttentionImpl)  # only the check: no GPU to build a real one on
+    impl.check_platform(SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True)))
+    with pytest.raises(MaskError, match="--enforce-eager"):
+        impl.check_platform(SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
