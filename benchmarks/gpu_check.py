@@ -322,7 +322,7 @@ def _time_paged(args: tuple, k: torch.Tensor, v: torch.Tensor, device: torch.dev
 def part_vllm_kernel(small: bool, device: torch.device) -> list[dict[str, str]]:
     """The vLLM backend's Triton paged decode (one request, one layer of the Llama mask) against its PyTorch
     path: max error, and ms per call next to the torch path and dense SDPA over the same context (GPU)."""
-    from leank_infer import triton_decode
+    from leank_infer.decode import triton_decode
     from leank_infer.vllm.layout import PackedLayout
     from leank_infer.vllm.paged_decode import paged_decode
     from leank_infer.vllm.triton_paged import triton_paged_decode
