@@ -161,8 +161,22 @@ def _one_line(message: str) -> str:
     return text[:1000]
 
 
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` from parsed values; nested dataclasses too, while plain data (dicts) stays plain data."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{
+        f.name: _build(hints[f.name], values[f.name]) if dataclasses.is_dataclass(hints[f.name]) else values[f.name]
+        for f in dataclasses.fields(cls) if f.name in values
+    })
+
+
 def call(func: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
     """Parse ``argv`` against ``func``'s signature and call it; its return value is the exit code."""
+    return int(func(**parse(func, argv, prog)) or 0)
+
+
+def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str, Any]:
+    """``func``'s keyword arguments from the command line ``argv`` (a bad one: UsageError)."""
     from argparse import ArgumentError
 
     argv = _dashes_to_underscores(argv)
@@ -179,15 +193,12 @@ def call(func: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
         cfg = parser.parse_args(argv)
     except ArgumentError as e:
         raise UsageError(_one_line(e.message if hasattr(e, "message") else e)) from None
-    init = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(cfg)
+    values = cfg.as_dict()
     kwargs: dict[str, Any] = {}
     for p in params.values():
         hint = hints[p.name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[p.name] = hint(**{f.name: init[f.name] for f in dataclasses.fields(hint)})
-        else:
-            kwargs[p.name] = init[p.name]
-    return int(func(**kwargs) or 0)
+        kwargs[p.name] = _build(hint, values) if dataclasses.is_dataclass(hint) else values[p.name]
+    return kwargs
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
