@@ -150,12 +150,17 @@ def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
     """jsonargparse's multi-line message as one line naming the option (``--key: problem``)."""
     text = " ".join(str(message).split())
-    # `X | None`: the error of X (not that the value is not None either)
-    text = re.sub(r"Does not validate against any of the Union subtypes.*?Errors: - (.*?) - Expected a <class 'NoneType'>.*",
-                  r"\1", text)
+    # `X | None`: the error of X (not that the value is not None either), with the value given
+    union = re.search(r"Does not validate against any of the Union subtypes.*?Errors: - (.*?) - Expected a "
+                      r"<class 'NoneType'>.*?(?:Given value: (.*))?$", text)
+    if union:
+        inner, given = union.group(1), union.group(2)
+        if given is not None and "Got value" not in inner and inner.startswith("Expected a typing.Literal"):
+            inner = f"{inner}. Got value: {given}"
+        text = text[: union.start()] + inner
     text = re.sub(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", r"\2 is not one of \1", text)
     text = re.sub(r'Parser key "([\w.]+)"(?: element \d+)?: (?:Not of type \w+: )?', r"--\1: ", text)
     return text[:1000]
@@ -192,7 +197,7 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as e:
-        raise UsageError(_one_line(e.message if hasattr(e, "message") else e)) from None
+        raise UsageError(one_line(e.message if hasattr(e, "message") else e)) from None
     values = cfg.as_dict()
     kwargs: dict[str, Any] = {}
     for p in params.values():
