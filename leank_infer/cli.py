@@ -124,7 +124,7 @@ def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> s
     from .cli_types import PositiveIntList
 
     hints = typing.get_type_hints(func)
-    words = [prog]
+    words: list[str] = []
     for p in inspect.signature(func).parameters.values():
         value = values.get(p.name, p.default)
         if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and value == p.default:
@@ -138,7 +138,7 @@ def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> s
             value = ",".join(map(str, value))
         items = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
         words += (items if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else [f"--{p.name}", *items])
-    return " ".join(shlex.quote(w) for w in words)
+    return " ".join([prog, *(shlex.quote(w) for w in words)])
 
 
 def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
