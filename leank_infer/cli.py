@@ -212,13 +212,16 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from .mask import MaskError
 
     errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError]
-    if "leank_train" in sys.modules:
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
+    if "leank_train" in sys.modules:  # a training command ran (or tried to)
+        try:
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-        from leank_train.errors import RecipeError
-        from leank_train.finite import NonFiniteError
-
-        errors += [RecipeError, NonFiniteError, MisconfigurationException]
+            from leank_train.errors import RecipeError
+            from leank_train.finite import NonFiniteError
+        except ImportError:  # the training extra is missing: none of these can have been raised
+            pass
+        else:
+            errors += [RecipeError, NonFiniteError, MisconfigurationException]
     return tuple(errors)
 
 

@@ -474,6 +474,7 @@ def test_gguf_file_must_stay_inside_the_model_folder(tmp_path):
         (["run", "recipes/smollm2-135m.yaml", "--stage2.steps", "x"], "--stage2.steps: Expected a <class 'int'>"),
         (["run", "recipes/smollm2-135m.yaml", "--stage", "3"], "--stage: 3 is not one of 1, 2"),
         (["memory", "m", "--context", "0"], "--context: must be at least 1, got 0"),
+        (["memory", "../../no-such-model"], "'../../no-such-model': cannot read its config"),
         (["fit", "--trainer.max_steps", "x"], "--trainer.max_steps: Expected a <class 'int'>"),
         (["eval", "M", "--methods", "full", "oracle"], "--methods: oracle is not one of"),
     ],
