@@ -85,12 +85,14 @@ bench: $(STAMP)
 # Ratios 0.5-0.9 on the embedded model (README "Beyond 70%"): stage 2 at each ratio from the 0.7 recipe's
 # stage 1 (trained first if missing), then one `leank eval` over the five masks, figure into the hub cards.
 SWEEP_EVAL = --kinds passkey multikey multivalue --lengths 1024 2048 4096 --samples 12 --seed 1234
+# stage 2 from the 0.7 recipe's stage 1 (skipped when already done), without the recipes' own evaluation
+SWEEP_STAGE2 = --stage1_dir runs/smollm2-135m/stage1-mask --evaluate.enabled false --compare_to null
 sweep: $(STAMP)
-	test -f runs/smollm2-135m/stage1-mask/mask.safetensors || $(VENV)/bin/leank fit --config recipes/smollm2-135m.yaml --stage 1
-	for r in 50 60; do $(VENV)/bin/leank fit --config recipes/smollm2-135m.yaml --stage 2 --model.ratio 0.$$r \
-	  --trainer.default_root_dir runs/sweep/r$$r-root --export.dirpath runs/sweep/r$$r || exit 1; done
-	$(VENV)/bin/leank fit --config recipes/smollm2-135m-r80.yaml --stage 2 --model.ratio 0.9 \
-	  --trainer.default_root_dir runs/sweep/r90-root --export.dirpath runs/sweep/r90
+	test -f runs/smollm2-135m/stage1-mask/mask.safetensors || $(VENV)/bin/leank run recipes/smollm2-135m.yaml --stage 1
+	for r in 50 60; do $(VENV)/bin/leank run recipes/smollm2-135m.yaml --stage 2 --ratio 0.$$r $(SWEEP_STAGE2) \
+	  --out_dir runs/sweep/r$$r-root --mask_dir runs/sweep/r$$r || exit 1; done
+	$(VENV)/bin/leank run recipes/smollm2-135m-r80.yaml --stage 2 --ratio 0.9 $(SWEEP_STAGE2) \
+	  --out_dir runs/sweep/r90-root --mask_dir runs/sweep/r90
 	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
 	  runs/sweep/r90 $(SWEEP_EVAL) --plot runs/sweep/ratio_sweep.png --json runs/sweep/ratio_sweep.json --card
 

@@ -236,14 +236,15 @@ def part_decode(model, small: bool, device: torch.device, steps: int, budget) ->
 def part_train(model, small: bool, device: torch.device, steps: int, context: int) -> list[dict[str, str]]:
     """A few steps of the 8B recipe's stage 1 through Lightning on random token sequences."""
     import lightning as L
-    import yaml
     from torch.utils.data import DataLoader
 
     from leank_train.distill.module import LeanKDistillation
     from leank_train.memory import estimate_step_memory
+    from leank_train.pipeline import load_recipe
+    from leank_train.recipe import stage_config
 
-    recipe = yaml.safe_load((ROOT / "recipes" / "llama-3.1-8b.yaml").read_text())
-    m, s1 = recipe["model"], recipe["stage1"]["model"]
+    recipe = stage_config(load_recipe(ROOT / "recipes" / "llama-3.1-8b.yaml"), 1)
+    m = s1 = recipe["model"]
     sink, recent = (16, 64) if small else (m["sink_size"], m["recent_size"])
     answer = 16 if small else 64
     context = 200 if small else context

@@ -173,7 +173,7 @@ def bench(
         ratio: with --estimate: fraction of K channels pruned.
         zero_heads: with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18).
         capacity: GIB[,GIB]: only print, for the mask and these GPU memory sizes, KV GiB per sequence and the
-            largest batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.capacity).
+            largest batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.mask.capacity).
         weights_gib: with --capacity: GiB of model weights (default: the mask's recorded base-model size).
     """
     from .cli import invocation

@@ -124,7 +124,7 @@ def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> s
     from .cli_types import PositiveIntList
 
     hints = typing.get_type_hints(func)
-    words = [prog]
+    words: list[str] = []
     for p in inspect.signature(func).parameters.values():
         value = values.get(p.name, p.default)
         if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and value == p.default:
@@ -138,7 +138,7 @@ def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> s
             value = ",".join(map(str, value))
         items = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
         words += (items if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else [f"--{p.name}", *items])
-    return " ".join(shlex.quote(w) for w in words)
+    return " ".join([prog, *(shlex.quote(w) for w in words)])
 
 
 def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
@@ -150,19 +150,38 @@ def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
     """jsonargparse's multi-line message as one line naming the option (``--key: problem``)."""
     text = " ".join(str(message).split())
-    # `X | None`: the error of X (not that the value is not None either)
-    text = re.sub(r"Does not validate against any of the Union subtypes.*?Errors: - (.*?) - Expected a <class 'NoneType'>.*",
-                  r"\1", text)
+    # `X | None`: the error of X (not that the value is not None either), with the value given
+    union = re.search(r"Does not validate against any of the Union subtypes.*?Errors: - (.*?) - Expected a "
+                      r"<class 'NoneType'>.*?(?:Given value: (.*))?$", text)
+    if union:
+        inner, given = union.group(1), union.group(2)
+        if given is not None and "Got value" not in inner and inner.startswith("Expected a typing.Literal"):
+            inner = f"{inner}. Got value: {given}"
+        text = text[: union.start()] + inner
     text = re.sub(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", r"\2 is not one of \1", text)
     text = re.sub(r'Parser key "([\w.]+)"(?: element \d+)?: (?:Not of type \w+: )?', r"--\1: ", text)
     return text[:1000]
 
 
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` from parsed values; nested dataclasses too, while plain data (dicts) stays plain data."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{
+        f.name: _build(hints[f.name], values[f.name]) if dataclasses.is_dataclass(hints[f.name]) else values[f.name]
+        for f in dataclasses.fields(cls) if f.name in values
+    })
+
+
 def call(func: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
     """Parse ``argv`` against ``func``'s signature and call it; its return value is the exit code."""
+    return int(func(**parse(func, argv, prog)) or 0)
+
+
+def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str, Any]:
+    """``func``'s keyword arguments from the command line ``argv`` (a bad one: UsageError)."""
     from argparse import ArgumentError
 
     argv = _dashes_to_underscores(argv)
@@ -178,16 +197,13 @@ def call(func: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as e:
-        raise UsageError(_one_line(e.message if hasattr(e, "message") else e)) from None
-    init = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(cfg)
+        raise UsageError(one_line(e.message if hasattr(e, "message") else e)) from None
+    values = cfg.as_dict()
     kwargs: dict[str, Any] = {}
     for p in params.values():
         hint = hints[p.name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[p.name] = hint(**{f.name: init[f.name] for f in dataclasses.fields(hint)})
-        else:
-            kwargs[p.name] = init[p.name]
-    return int(func(**kwargs) or 0)
+        kwargs[p.name] = _build(hint, values) if dataclasses.is_dataclass(hint) else values[p.name]
+    return kwargs
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -196,13 +212,16 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from .model.loading import BaseModelError
 
     errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError]
-    if "leank_train" in sys.modules:
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
+    if "leank_train" in sys.modules:  # a training command ran (or tried to)
+        try:
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-        from leank_train.distill.finite import NonFiniteError
-        from leank_train.errors import RecipeError
-
-        errors += [RecipeError, NonFiniteError, MisconfigurationException]
+            from leank_train.distill.finite import NonFiniteError
+            from leank_train.errors import RecipeError
+        except ImportError:  # the training extra is missing: none of these can have been raised
+            pass
+        else:
+            errors += [RecipeError, NonFiniteError, MisconfigurationException]
     return tuple(errors)
 
 

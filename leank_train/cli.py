@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from .data import NeedleDataModule
 from .distill.module import LeanKDistillation
+from .errors import RecipeError
 from .export import ExportMask
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -56,16 +57,24 @@ class LeanKCLI(LightningCLI):
 def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
     """Build (and by default run) the CLI for ``argv``; returns the LightningCLI with its trainer and model."""
     args = list(argv) if argv is not None else None
+    from argparse import ArgumentError
+
+    from leank_infer.cli import one_line
+
     # argv is given explicitly (leank's own entry point); Lightning warns when sys.argv also has words.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    return LeanKCLI(
-        LeanKDistillation,
-        NeedleDataModule,
-        args=args,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        **kwargs,
-    )
+    try:
+        return LeanKCLI(
+            LeanKDistillation,
+            NeedleDataModule,
+            args=args,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False},
+            **kwargs,
+        )
+    except ArgumentError as e:  # a bad key or value: one line (the entry point prints it, exit code 2)
+        raise RecipeError(one_line(e.message)) from None
 
 
 def fit(argv: Sequence[str]) -> int:

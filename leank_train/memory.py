@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leank_infer.cli_types import PositiveInt
+from leank_infer.cli_types import PositiveInt, UsageError
 from leank_infer.mask.kv_bytes import dense_token_bytes
 
 GiB = 1024**3
@@ -56,9 +56,10 @@ def load_config(model: str) -> Any:
 
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
-    except OSError:
+    except (OSError, ValueError) as e:
         if model not in KNOWN_CONFIGS:
-            raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"{model[:200]!r}: cannot read its config: {first}") from None
         return known_config(model)
 
 

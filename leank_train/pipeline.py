@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from pickle import UnpicklingError  # the exception only: Lightning reads checkpoints weights-only
@@ -148,6 +148,13 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _training_loss(folder: str) -> float | None:
     return (ChannelMask.from_dir(folder).extra.get("training") or {}).get("final_distill_loss_last10")
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """The recipe file ``path`` with command-line style ``overrides`` (``--stage2.steps 80``), as ``leank run`` reads it."""
+    from leank_infer.cli import parse
+
+    return parse(run, [str(path), *overrides], "leank run")["recipe"]
 
 
 def recipe_text(recipe: Recipe) -> str:

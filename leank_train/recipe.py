@@ -47,7 +47,7 @@ class Stage:
     ratio_start: float | None = None
     ratio_anneal_steps: int = 0
     min_kept: int = 0
-    trainer: dict[str, Any] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Recipe:
     accumu_size: int = 16
     seed: int = 0
     checkpoint_every: int = 10
-    trainer: dict[str, Any] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
     stage1_dir: str | None = None
     mask_dir: str | None = None
     evaluate: EvalSettings = field(default_factory=EvalSettings)

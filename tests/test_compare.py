@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from leank_infer.cli import main as leank
 from leank_infer.mask import MASK_FILE, ChannelMask
 from leank_train import pipeline
 from leank_train.cli import run_cli
@@ -98,24 +99,27 @@ def test_the_run_compares_with_the_reference_as_it_was_before_training(tmp_path,
     new, ref = _pair()
     folder = tmp_path / "hub-mask"
     ref.save_pretrained(folder)
-    cfg = {"compare_to": str(folder), "evaluate": {"enabled": False}, "push_to_hub": None}
+    recipe = pipeline.load_recipe(ROOT / "recipes" / "smollm2-135m.yaml",
+                                  ["--compare_to", str(folder), "--evaluate.enabled", "false"])
 
-    def fake_stage(recipe, stage, overrides, before=None):
-        before(cfg)
+    def fake_stage(recipe, stage, before=None):
+        before({})
         if stage == 2:
             new.save_pretrained(folder)
-        return str(folder), cfg
+        return str(folder), {}
 
     monkeypatch.setattr(pipeline, "run_stage", fake_stage)
-    assert pipeline._run("recipe.yaml", {1: [], 2: []}) == 0
+    assert pipeline._run(recipe) == 0
     out = capsys.readouterr().out
     assert "channels that differ 7 of 32" in out
     assert f"leank push {folder} ORG/NAME" in out
 
 
 def _resolved(recipe: Path, stage: int, capsys) -> dict:
+    from leank_train.recipe import stage_config
+
     with pytest.raises(SystemExit):
-        run_cli(["fit", "--config", str(recipe), "--stage", str(stage), "--print_config"])
+        run_cli(["fit", "--config", yaml.safe_dump(stage_config(pipeline.load_recipe(recipe), stage)), "--print_config"])
     return yaml.safe_load(capsys.readouterr().out)
 
 
@@ -135,13 +139,14 @@ def test_make_demo_writes_under_runs_and_never_into_hub(capsys):
         assert (ROOT / out).resolve() not in hub_folders and HUB.resolve() not in (ROOT / out).resolve().parents
         assert Path(cfg["trainer"]["default_root_dir"]).parts[0] == "runs"
     # and it ends by comparing with the committed mask it reproduces
-    assert (ROOT / cfg["compare_to"]).resolve() == (HUB / "smollm2-135m-instruct").resolve()
-    assert MaskSnapshot.read(ROOT / cfg["compare_to"]).results  # the committed folder has rows to compare
+    compare_to = pipeline.load_recipe(recipe).compare_to
+    assert (ROOT / compare_to).resolve() == (HUB / "smollm2-135m-instruct").resolve()
+    assert MaskSnapshot.read(ROOT / compare_to).results  # the committed folder has rows to compare
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
 def test_a_compare_to_names_a_committed_mask_folder(recipe):
-    target = yaml.safe_load(recipe.read_text()).get("compare_to")
+    target = pipeline.load_recipe(recipe).compare_to
     if target is not None:
         MaskSnapshot.read(ROOT / target)
 
@@ -156,13 +161,13 @@ def test_leank_run_writes_its_folder_and_compares_without_touching_the_committed
     path = str(recipe(tmp_path, base))
     committed = tmp_path / "hub" / "tiny"
     # the "committed" mask: the recipe exporting into hub/ (what the README's reproduction command does)
-    assert pipeline.main([path, "--stage2.export.dirpath", str(committed)]) == 0
+    assert leank(["run", path, "--mask_dir", str(committed)]) == 0
     before = (committed / MASK_FILE).read_bytes()
     capsys.readouterr()
 
     # the demo way: the run's own folder, then the comparison; training is reused (same settings)
     out_dir = tmp_path / "runs" / "mask"
-    assert pipeline.main([path, "--stage2.export.dirpath", str(out_dir), "--compare_to", str(committed)]) == 0
+    assert leank(["run", path, "--mask_dir", str(out_dir), "--compare_to", str(committed)]) == 0
     out = capsys.readouterr().out
     assert "stage 1 already done" in out and "stage 2 resumes from" in out
     total = ChannelMask.from_dir(out_dir).keep.numel()
@@ -171,8 +176,5 @@ def test_leank_run_writes_its_folder_and_compares_without_touching_the_committed
     assert (committed / MASK_FILE).read_bytes() == before
 
     # a compare_to that is not a mask folder stops before anything trains, with exit 2 and one line
-    with pytest.raises(SystemExit) as exit_info:
-        pipeline.main([path, "--stage2.export.dirpath", str(tmp_path / "other"), "--compare_to",
-                       str(tmp_path / "nowhere")])
-    assert exit_info.value.code == 2
+    assert leank(["run", path, "--mask_dir", str(tmp_path / "other"), "--compare_to", str(tmp_path / "nowhere")]) == 2
     assert "compare_to" in capsys.readouterr().err and not (tmp_path / "other").exists()

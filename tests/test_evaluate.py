@@ -60,13 +60,13 @@ def test_evaluate_runs_every_method(tmp_path):
 def test_eval_cli_plot_and_card_keep_earlier_results(tmp_path, capsys):
     import json
 
-    from leank_train.evaluate import main
+    from leank_infer.cli import main as leank
 
     mask_dir, _ = tiny_repo(tmp_path)
     plot, out = tmp_path / "acc.png", tmp_path / "res.json"
     argv = [str(mask_dir), "--lengths", "40", "56", "--samples", "1", "--kinds", "passkey", "--methods", "full",
             "leank", "--seed", "0", "--no-kl", "--plot", str(plot), "--json", str(out), "--card"]
-    assert main(argv) == 0
+    assert leank(["eval", *argv]) == 0
     res = json.loads(out.read_text())
     assert set(res["accuracy"]) == {"full", "leank"} and set(res["accuracy"]["leank"]) == {"40", "56"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (mask_dir / "acc.png").is_file()

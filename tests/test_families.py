@@ -391,15 +391,17 @@ def test_masks_without_adapter_fields_stay_version_1(tmp_path):
 
 
 def test_recipe_names_an_adapter(capsys):
-    """``model.adapter`` / ``model.adapter_revision`` are recipe keys (LightningCLI), overridable on the command line."""
+    """``adapter`` / ``adapter_revision`` are recipe keys, overridable on the command line, passed to the model."""
     import yaml
 
     from leank_train.cli import run_cli
+    from leank_train.pipeline import load_recipe
+    from leank_train.recipe import stage_config
 
-    recipe = Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml"
-    args = ["--model.adapter", "org/my-lora", "--model.adapter_revision", "v1", "--print_config"]
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml",
+                         ["--adapter", "org/my-lora", "--adapter_revision", "v1"])
     with pytest.raises(SystemExit):
-        run_cli(["fit", "--config", str(recipe), "--stage", "1", *args])
+        run_cli(["fit", "--config", yaml.safe_dump(stage_config(recipe, 1)), "--print_config"])
     cfg = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (cfg["adapter"], cfg["adapter_revision"]) == ("org/my-lora", "v1")
 

@@ -63,22 +63,22 @@ def base_model(folder: Path, chat: bool = True, **config) -> Path:
 
 
 def recipe(folder: Path, base: Path, extra: dict | None = None) -> Path:
-    """A two-stage recipe over ``base`` that runs in seconds; ``extra`` is merged into it (dicts deeply)."""
+    """A two-stage flat recipe over ``base`` that runs in seconds; ``extra`` is merged into it (dicts deeply).
+
+    Stage 1 exports to ``folder/stage1``, stage 2 to ``folder/final``; checkpoints go to ``folder/runs``.
+    """
     cfg = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 7, "logger": False,
-                    "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
-                    "num_sanity_val_steps": 0, "default_root_dir": str(folder / "runs")},
-        "model": {"base_model": str(base), "sink_size": 4, "recent_size": 8, "ratio": 0.5, "align": 4,
-                  "warmup_steps": 2},
-        "data": {"haystacks": ["noise"], "min_length": 60, "max_length": 120, "length_intervals": 2,
-                 "num_samples": 4, "chat": True},
-        "checkpoint": {"every_n_train_steps": 2, "save_last": True, "save_top_k": 0},
+        "out_dir": str(folder / "runs"),
+        "stage1_dir": str(folder / "stage1"),
+        "mask_dir": str(folder / "final"),
+        "base_model": str(base), "sink_size": 4, "recent_size": 8, "ratio": 0.5, "align": 4, "warmup_steps": 2,
+        "haystacks": ["noise"], "min_length": 60, "max_length": 120, "length_intervals": 2, "chat": True,
+        "seed": 0, "checkpoint_every": 2,
+        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+                    "enable_model_summary": False},
         "evaluate": {"enabled": False},
-        "stage1": {"model": {"stage": 1, "lr": 0.05, "reg_weight": 0.5}, "trainer": {"max_steps": 7},
-                   "export": {"dirpath": str(folder / "stage1")}},
-        "stage2": {"model": {"stage": 2, "lr": 0.02, "reg_weight": 0.0, "init_scores": str(folder / "stage1")},
-                   "trainer": {"max_steps": 5}, "data": {"seed": 1}, "export": {"dirpath": str(folder / "final")}},
+        "stage1": {"steps": 7, "lr": 0.05, "reg_weight": 0.5, "num_samples": 4, "seed": 0},
+        "stage2": {"steps": 5, "lr": 0.02, "reg_weight": 0.0, "num_samples": 4, "seed": 1},
     }
 
     def merge(a: dict, b: dict) -> None:
@@ -123,7 +123,7 @@ def written(folder: Path) -> list[str]:
 
 # ---- resume: kill -9 mid-stage, rerun the same command --------------------------------------------------
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path, capsys):
-    from leank_train.pipeline import main
+    from leank_infer.cli import main
 
     # the same recipe plus a callback that hangs once mid-stage 2 (after the step-2 checkpoint)
     marker = tmp_path / "run" / "paused"
@@ -136,7 +136,7 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path, capsys):
     try:
         # meanwhile the reference: one uninterrupted run of the recipe without the callback, in this process
         ref = recipe(tmp_path / "ref", base)
-        assert main([str(ref)]) == 0
+        assert main(["run", str(ref)]) == 0
 
         deadline = time.monotonic() + 180
         while not marker.exists():
@@ -157,7 +157,7 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path, capsys):
     # the same command again (in this process: the same code, without a second interpreter start):
     # stage 1 is skipped, stage 2 resumes from its last checkpoint
     capsys.readouterr()
-    assert main([str(run)]) == 0
+    assert main(["run", str(run)]) == 0
     out = capsys.readouterr().out
     assert "stage 1 already done" in out
     assert re.search(r"stage 2 resumes from .*last\.ckpt", out)
@@ -174,20 +174,20 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(base, tmp_path, capsys):
 
 
 def test_rerun_skips_finished_stages_and_new_settings_start_afresh(base, tmp_path, capsys):
-    from leank_train.pipeline import main
+    from leank_infer.cli import main
 
     path = str(recipe(tmp_path, base))
-    assert main([path]) == 0
+    assert main(["run", path]) == 0
     capsys.readouterr()
     final = (tmp_path / "final" / MASK_FILE).stat().st_mtime_ns
 
-    assert main([path]) == 0  # everything done: both stages skipped, nothing rewritten
+    assert main(["run", path]) == 0  # everything done: both stages skipped, nothing rewritten
     out = capsys.readouterr().out
     assert "stage 1 already done" in out and "stage 2 already done" in out
     assert (tmp_path / "final" / MASK_FILE).stat().st_mtime_ns == final
 
     # another stage-2 setting: stage 1 is still done, stage 2 trains afresh (not from the stale checkpoint)
-    assert main([path, "--stage2.trainer.max_steps", "3"]) == 0
+    assert main(["run", path, "--stage2.steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "stage 1 already done" in out and "stage 2 already done" not in out and "resumes" not in out
     assert ChannelMask.from_dir(tmp_path / "final").extra["training"]["steps"] == 3
@@ -195,7 +195,7 @@ def test_rerun_skips_finished_stages_and_new_settings_start_afresh(base, tmp_pat
 
     # a damaged export is not "done": the stage runs again (resuming from its final checkpoint) and rewrites it
     (tmp_path / "final" / MASK_FILE).write_bytes(b"garbage")
-    assert main([path, "--stage2.trainer.max_steps", "3"]) == 0
+    assert main(["run", path, "--stage2.steps", "3"]) == 0
     assert "stage 2 resumes from" in capsys.readouterr().out
     assert ChannelMask.from_dir(tmp_path / "final").extra["training"]["steps"] == 3
 
@@ -318,17 +318,16 @@ def test_non_finite_stops_at_the_step_and_keeps_the_last_good_checkpoint(base, t
 def _leank(args: list[str], capsys) -> tuple[int, str]:
     from leank_infer.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
+    code = main(args)
     err = capsys.readouterr().err
-    return exit_info.value.code, err
+    return code, err
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"model": {"learning_rate": 0.1}}, r"learning_rate"),  # unknown key
-        ({"data": {"num_samples": "many"}}, r"num_samples"),  # wrong type
+        ({"learning_rate": 0.1}, r"learning_rate"),  # unknown key
+        ({"stage1": {"num_samples": "many"}}, r"num_samples"),  # wrong type
         ({"trainer": {"max_stepz": 3}}, r"max_stepz"),
         # checkpoints are what a rerun resumes from: turning them off is refused by Lightning, in one line
         ({"trainer": {"enable_checkpointing": False}}, r"enable_checkpointing=False.*ModelCheckpoint"),
@@ -367,7 +366,7 @@ def test_chat_recipe_needs_a_chat_template(tmp_path, capsys):
 
 @pytest.mark.parametrize("haystack", ["{tmp}/missing.txt", "{tmp}/no/such/folder", "./not-here.txt"])
 def test_missing_haystack_path(base, tmp_path, capsys, haystack):
-    path = recipe(tmp_path, base, {"data": {"haystacks": [haystack.format(tmp=tmp_path)]}})
+    path = recipe(tmp_path, base, {"haystacks": [haystack.format(tmp=tmp_path)]})
     code, err = _leank(["run", str(path)], capsys)
     assert code == 2 and "no such file or folder" in err and "data.haystacks" in err, err
     assert written(tmp_path) == []
@@ -375,7 +374,7 @@ def test_missing_haystack_path(base, tmp_path, capsys, haystack):
 
 def test_stage2_without_stage1_scores_names_the_path(base, tmp_path, capsys):
     path = recipe(tmp_path, base)
-    code, err = _leank(["fit", "--config", str(path), "--stage", "2"], capsys)
+    code, err = _leank(["run", str(path), "--stage", "2"], capsys)
     assert code == 2 and f"model.init_scores={tmp_path / 'stage1'} does not exist" in err, err
     assert "run stage 1 first" in err and written(tmp_path) == []
 

@@ -8,7 +8,11 @@ import pytest
 from test_model import random_mask, tiny_repo
 
 from leank_infer import cli
-from leank_infer.generate_cli import main
+
+
+def main(args: list[str]) -> int:
+    return cli.main(["generate", *args])
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,13 +23,41 @@ def test_leank_infer_imports_no_training_dependency():
 def test_console_script_help():
     r = subprocess.run([sys.executable, "-m", "leank_infer.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0
-    for cmd in ("run", "generate", "push", "pull"):
-        assert cmd in r.stdout
+    for cmd in ("run", "fit", "eval", "memory", "bench", "generate", "push", "pull", "import"):
+        assert f"\n  {cmd} " in r.stdout, cmd
 
 
 def test_unknown_subcommand_is_an_error():
     r = subprocess.run([sys.executable, "-m", "leank_infer.cli", "frobnicate"], capture_output=True, text=True)
-    assert r.returncode != 0 and "unknown command" in r.stderr
+    assert r.returncode == 2 and "unknown command" in r.stderr and r.stderr.count("\n") == 1
+
+
+# the training extra missing: its modules cannot be imported (as when `pip install leank` alone)
+NO_TRAIN = "import sys\nfor m in ('lightning', 'pytorch_lightning'): sys.modules[m] = None\n"
+
+
+def test_inference_commands_work_without_the_training_extra():
+    code = NO_TRAIN + "from leank_infer.cli import main\nsys.exit(main(['generate', '--help']))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and "--max_new_tokens" in r.stdout, r.stderr
+
+
+def test_a_training_command_without_the_extra_says_how_to_install_it():
+    for cmd in ("run", "fit", "eval"):
+        code = NO_TRAIN + f"from leank_infer.cli import main\nsys.exit(main(['{cmd}', 'x']))"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"leank {cmd}: error: needs the training extra" in r.stderr and "pip install 'leank[train]'" in r.stderr
+
+
+def test_no_library_module_exits():
+    """Only the entry point turns an error into an exit code: no SystemExit / sys.exit in the packages."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    for path in [*root.glob("leank_infer/**/*.py"), *root.glob("leank_train/**/*.py")]:
+        body = path.read_text().split('if __name__ == "__main__":')[0]
+        assert "SystemExit" not in body and "sys.exit(" not in body, path
 
 
 def test_leank_infer_does_not_import_the_vllm_plugin():

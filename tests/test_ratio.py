@@ -11,8 +11,8 @@ from test_model import tiny_repo
 from test_train_fit import _module, _trainer, datamodule  # noqa: F401  (the fixture)
 
 from leank_infer import ChannelMask
+from leank_infer.cli import main as leank
 from leank_infer.mask import MaskError, binarize
-from leank_train.evaluate import main as eval_main
 from leank_train.export import ExportMask
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Found \d+ module\(s\) in eval mode")
@@ -82,7 +82,7 @@ def test_eval_sweep_cli_table_plot_json_and_cards(tmp_path, capsys):
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
     argv = [str(mask_dir), str(other_dir), "--lengths", "48", "--samples", "2", "--kinds", "passkey",
             "--seed", "0", "--plot", str(plot), "--json", str(out), "--card"]
-    assert eval_main(argv) == 0
+    assert leank(["eval", *argv]) == 0
     res = json.loads(out.read_text())
     assert [r["ratio"] for r in res["masks"]] == [base.ratio, 0.75]
     by_ratio = {r["ratio"]: r for r in res["masks"]}
@@ -101,16 +101,16 @@ def test_eval_sweep_cli_table_plot_json_and_cards(tmp_path, capsys):
     assert "| full model |" in table and "0.75" in table
 
 
-def test_eval_sweep_refuses_masks_of_another_model(tmp_path):
+def test_eval_sweep_refuses_masks_of_another_model(tmp_path, capsys):
     mask_dir, _ = tiny_repo(tmp_path)
     other = ChannelMask.from_dir(mask_dir)
     other.base_model = "someone/else"
     other_dir = other.save_pretrained(tmp_path / "foreign")
-    with pytest.raises(SystemExit, match="one base model"):
-        eval_main([str(mask_dir), str(other_dir), "--lengths", "48", "--samples", "1"])
+    assert leank(["eval", str(mask_dir), str(other_dir), "--lengths", "48", "--samples", "1"]) == 2
+    assert "one base model" in capsys.readouterr().err
     yarn = ChannelMask.from_dir(mask_dir)  # same base model, learned with YaRN: another model too
     yarn.config_overrides = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
     yarn_dir = yarn.save_pretrained(tmp_path / "yarn")
-    with pytest.raises(SystemExit, match="overrides"):
-        eval_main([str(mask_dir), str(yarn_dir), "--lengths", "48", "--samples", "1"])
+    assert leank(["eval", str(mask_dir), str(yarn_dir), "--lengths", "48", "--samples", "1"]) == 2
+    assert "overrides" in capsys.readouterr().err
 

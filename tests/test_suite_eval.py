@@ -8,7 +8,12 @@ import pytest
 from test_model import tiny_repo
 
 from leank_infer import LeanKModel
-from leank_train.evaluate import QUICK, TASK_NAMES, EvalSettings, evaluate, main
+from leank_infer.cli import main as leank
+from leank_train.evaluate import QUICK, TASK_NAMES, EvalSettings, evaluate
+
+
+def main(args: list[str]) -> int:
+    return leank(["eval", *args])
 
 TASKS = ["niah_single_number", "passkey"]
 
@@ -56,12 +61,9 @@ def test_eval_cli_quick_json_and_errors(tmp_path, capsys, monkeypatch):
     assert "| passkey | leank |" in capsys.readouterr().out
     monkeypatch.setattr(ev, "evaluate", real)
     # a length no task fits in: one line naming it, exit 2
-    with pytest.raises(SystemExit) as e:
-        main([str(mask_dir), "--lengths", "40", "--samples", "1", "--methods", "full", "--no-kl"])
-    assert e.value.code == 2 and "too short for task" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        main([str(mask_dir), "--tasks", "no_such_task"])
-    assert e.value.code == 2
+    assert main([str(mask_dir), "--lengths", "40", "--samples", "1", "--methods", "full", "--no-kl"]) == 2
+    assert "too short for task" in capsys.readouterr().err
+    assert main([str(mask_dir), "--tasks", "no_such_task"]) == 2
 
 
 def test_settings_command_and_leank_run_quick(monkeypatch):
@@ -74,12 +76,12 @@ def test_settings_command_and_leank_run_quick(monkeypatch):
     import leank_train.pipeline as pipeline
 
     got = {}
-    monkeypatch.setattr(pipeline, "_run", lambda recipe, overrides: got.update(overrides) or 0)
+    monkeypatch.setattr(pipeline, "_run", lambda recipe, stages: got.update(recipe=recipe, stages=stages) or 0)
     from pathlib import Path
 
     recipe = str(Path(__file__).parent.parent / "recipes" / "smollm2-135m.yaml")
-    assert pipeline.main([recipe, "--quick", "--trainer.max_steps", "2"]) == 0
-    assert got[1] == got[2] == ["--trainer.max_steps", "2", "--evaluate.quick", "true"]
+    assert leank(["run", recipe, "--quick", "--stage1.steps", "2"]) == 0
+    assert got["recipe"].evaluate.quick and got["recipe"].stage1.steps == 2 and got["stages"] == (1, 2)
 
 
 @pytest.mark.slow

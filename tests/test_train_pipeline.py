@@ -19,10 +19,10 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
     from leank_infer.cli import main
 
     overrides = [
-        "--trainer.max_steps", "2", "--trainer.logger", "false",
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-        "--data.num_samples", "2", "--data.min_length", "300", "--data.max_length", "400",
-        "--stage1.export.dirpath", str(tmp_path / "stage1"), "--stage2.export.dirpath", str(tmp_path / "final"),
+        "--stage1.steps", "2", "--stage2.steps", "2", "--trainer.logger", "false",
+        "--out_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+        "--stage1.num_samples", "2", "--stage2.num_samples", "2", "--min_length", "300", "--max_length", "400",
+        "--mask_dir", str(tmp_path / "final"),
         # a small evaluation: one short passkey probe, the full model and the mask, no KL
         "--evaluate.lengths", "[300]", "--evaluate.samples", "1", "--evaluate.methods", "[full, leank]",
         "--evaluate.kl", "false", "--evaluate.tasks", "[passkey]",
@@ -34,7 +34,11 @@ def test_leank_run_two_steps_per_stage(tmp_path, capsys):
     assert mask.keep.shape == (30, 3, 64)
     assert (mask.sink_size, mask.recent_size, mask.accumu_size, mask.align) == (16, 64, 16, 16)
     assert mask.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and mask.loader.get("embedded")
-    assert mask.recipe == RECIPE.read_text()
+    import yaml
+
+    recipe = yaml.safe_load(mask.recipe)  # the resolved recipe: reruns as `leank run FILE`
+    assert recipe["out_dir"] == str(tmp_path) and recipe["stage2"]["steps"] == 2 and recipe["ratio"] == 0.7
+    assert (tmp_path / "stage1-mask" / "mask.safetensors").is_file()
     assert mask.extra["training"]["stage"] == 2 and mask.extra["training"]["steps"] == 2
     assert abs(mask.stats()["k_kept_fraction"] - 0.3) < 0.1
     # the evaluation went into the model card, with the command that reproduces it
