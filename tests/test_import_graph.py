@@ -18,6 +18,9 @@ UPWARD = {
     ("leank_infer.mask.channel_mask", "leank_infer.hub.transfer"),
     ("leank_infer.mask.channel_mask", "leank_infer.hub.publish"),
 }
+# The console script: one `leank` command for inference and training, so it may load leank_train's commands
+# (and catch their errors) when they run, inside a function; never at import.
+ENTRY_POINT = "leank_infer.cli"
 # A deferred cycle in the evaluation CLI (evaluate borrows cli.one_line_errors), left to the CLI rework of #20.
 PENDING = {("leank_train.evaluate", "leank_train.cli")}
 
@@ -103,9 +106,10 @@ def test_no_import_cycle_and_the_only_upward_imports_are_listed():
 
 
 def test_leank_infer_never_imports_leank_train():
+    """Only the ``leank`` entry point reaches leank_train, deferred (its training commands, its error types)."""
     eager, deferred = _graph()
     bad = sorted(f"{m} -> {t}" for m in eager if m.startswith("leank_infer")
-                 for t in eager[m] | deferred[m] if t.startswith("leank_train"))
+                 for t in eager[m] | (deferred[m] if m != ENTRY_POINT else set()) if t.startswith("leank_train"))
     assert not bad, bad
 
 

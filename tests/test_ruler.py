@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from leank_train import data, ruler
+from leank_train.data import haystack
 from leank_train.ruler import TASKS, build_probes, chat_ids
 
 
@@ -44,7 +45,7 @@ def _fragments(fmt: str) -> list[str]:
 def test_no_wording_haystack_or_key_shared_with_training(probes):
     """Training and evaluation cannot produce the same prompt: disjoint wordings, sentences and keys."""
     # key words: the suite's keys are adjective-noun pairs from wonderwords, minus training's key words
-    assert ruler.eval_keys() and not ruler.eval_keys() & set(data._WORDS)
+    assert ruler.eval_keys() and not ruler.eval_keys() & set(haystack._WORDS)
     # haystacks: no evaluation sentence is a sentence of training's essay or noise haystack
     training = ruler.training_sentences()
     assert len(training) > 1000
@@ -60,7 +61,7 @@ def test_no_wording_haystack_or_key_shared_with_training(probes):
         assert not [f for f in train_phrases if f in text], p.kind
         assert "special magic" not in text and data.NOISE.split(".")[0] not in text
         keys = set(re.findall(r"\b([a-z]+)-([a-z]+)\b", text))
-        assert not {w for k in keys for w in k} & set(data._WORDS), p.kind
+        assert not {w for k in keys for w in k} & set(haystack._WORDS), p.kind
     eval_phrases = {f for fmt, q, a in ruler._FACTS.values() for f in _fragments(fmt) + _fragments(q)}
     training_text = " ".join(data.haystack_text(n) for n in ("essay", "noise"))
     assert eval_phrases and not [f for f in eval_phrases if f in training_text]

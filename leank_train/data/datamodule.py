@@ -28,16 +28,22 @@ from .tasks import DEFAULT_TEMPLATES, NeedleSampler, NeedleTemplate, length_grid
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
-def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[str, Any] | None = None) -> Any:
-    """The base model's tokenizer, resolved like the model (the embedded one works offline)."""
-    from transformers import AutoTokenizer
-
+def _base_model_source(base_model: str, revision: str | None, loader: dict[str, Any] | None) -> tuple[str, dict]:
+    """Where the base model's files are and the ``from_pretrained`` options, resolved like the model's."""
     from leank_infer.model.loading import resolve_base_model
 
     source, extra = resolve_base_model(base_model, loader)
     kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
     if revision is not None and not Path(source).is_dir():
         kwargs["revision"] = revision
+    return source, kwargs
+
+
+def load_tokenizer(base_model: str, revision: str | None = None, loader: dict[str, Any] | None = None) -> Any:
+    """The base model's tokenizer, resolved like the model (the embedded one works offline)."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = _base_model_source(base_model, revision, loader)
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
@@ -45,15 +51,10 @@ def model_max_positions(base_model: str, revision: str | None = None, loader: di
     """The base model's ``max_position_embeddings`` from its config alone (no weights), None if it has none."""
     from transformers import AutoConfig
 
-    from leank_infer.model.loading import resolve_base_model
+    from leank_infer.mask import model_positions
 
-    source, extra = resolve_base_model(base_model, loader)
-    kwargs = {**extra, "trust_remote_code": False}  # a repo's own Python never runs (and never prompts)
-    if revision is not None and not Path(source).is_dir():
-        kwargs["revision"] = revision
-    config = AutoConfig.from_pretrained(source, **kwargs)
-    value = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return int(value) if value else None
+    source, kwargs = _base_model_source(base_model, revision, loader)
+    return model_positions(AutoConfig.from_pretrained(source, **kwargs))
 
 
 class ResumableSampler(DistributedSampler):
