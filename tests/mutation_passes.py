@@ -9,7 +9,8 @@ of module.py). Every pass starts from scratch, so a rerun after a test change me
 
 mutmut's own output goes to ``mutants/<pass>/mutmut.log``. Prints one line per pass (killed / timeout / survived / no tests / other) and writes
 ``mutants/<pass>/summary.json`` with the surviving mutants' names (``mutmut show NAME`` in that folder).
-Run: ``python tests/mutation_passes.py [PASS ...]`` (default: every pass), or ``make mutants [MODULE=rule]``.
+Run: ``python tests/mutation_passes.py [PASS ...]`` (default: every pass), or ``make mutants [MODULE=rule]``;
+``--report`` only reads the folders again (a pass stopped part way counts its unrun mutants as not run).
 Not a test module (not collected by pytest).
 """
 
@@ -73,6 +74,12 @@ def _statuses(folder: Path, env: dict) -> dict[str, str]:
     return out
 
 
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
 def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
     mutmut, names = pass_config(pyproject, name)
     folder = ROOT / "mutants" / name
@@ -86,20 +93,28 @@ def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
     # leaves the other cores alone. No PYTHONPATH: mutmut puts its copy first on sys.path itself, and
     # naming that folder before it exists makes Python cache it as absent (the imports then fall through
     # to an editable install of leank elsewhere).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = _env()
     start = time.monotonic()
     with open(folder / "mutmut.log", "w") as log:
         run = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *names],
                              cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-    statuses = _statuses(folder, env)
+    return summarize(name, pyproject, env, run.returncode, round((time.monotonic() - start) / 60, 1))
+
+
+def summarize(name: str, pyproject: dict, env: dict | None = None, exit_code: int | None = None,
+              minutes: float | None = None) -> dict:
+    """Counts and survivors of pass ``name`` from its folder (also of a pass stopped part way:
+    its unrun mutants count as "not checked")."""
+    mutmut, names = pass_config(pyproject, name)
+    folder = ROOT / "mutants" / name
+    statuses = _statuses(folder, env if env is not None else _env())
     if names:
         statuses = {k: v for k, v in statuses.items() if any(fnmatch.fnmatch(k, g) for g in names)}
     counts: dict[str, int] = {}
     for status in statuses.values():
         counts[status] = counts.get(status, 0) + 1
     summary = {
-        "pass": name, "mutmut_exit": run.returncode, "minutes": round((time.monotonic() - start) / 60, 1),
+        "pass": name, "mutmut_exit": exit_code, "minutes": minutes,
         "only_mutate": mutmut.get("only_mutate"), "names": names,
         "tests": mutmut.get("pytest_add_cli_args_test_selection"), "mutants": len(statuses), "counts": counts,
         "survived": sorted(k for k, v in statuses.items() if v == "survived"),
@@ -112,17 +127,21 @@ def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
 def main(argv: list[str]) -> int:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     passes = list(pyproject["tool"]["leank-mutants"])
+    report = "--report" in argv  # only read what earlier (maybe stopped) passes left in mutants/<pass>/
+    argv = [a for a in argv if a != "--report"]
     chosen = argv or passes
     unknown = [p for p in chosen if p not in passes]
     if unknown:
         print(f"unknown pass {unknown}; passes: {passes}", file=sys.stderr)
         return 2
-    rows = [run_pass(p, pyproject) for p in chosen]
-    print("\n| pass | mutants | killed | timeout | survived | no tests | other | minutes |")
-    print("|---|---|---|---|---|---|---|---|")
+    if report:
+        chosen = [p for p in chosen if (ROOT / "mutants" / p / "mutants").is_dir()]
+    rows = [summarize(p, pyproject) if report else run_pass(p, pyproject) for p in chosen]
+    print("\n| pass | mutants | killed | timeout | survived | no tests | not run | other | minutes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         c = dict(r["counts"])
-        cols = [c.pop(k, 0) for k in ("killed", "timeout", "survived", "no tests")]
+        cols = [c.pop(k, 0) for k in ("killed", "timeout", "survived", "no tests", "not checked")]
         print(f"| {r['pass']} | {r['mutants']} | " + " | ".join(map(str, cols)) + f" | {sum(c.values())} | {r['minutes']} |")
         for s in r["survived"]:
             print(f"    survived: {s}")
