@@ -107,6 +107,9 @@ def summarize(name: str, pyproject: dict, env: dict | None = None, exit_code: in
     its unrun mutants count as "not checked")."""
     mutmut, names = pass_config(pyproject, name)
     folder = ROOT / "mutants" / name
+    if minutes is None and (folder / "summary.json").is_file():  # --report: keep the run's own time
+        earlier = json.loads((folder / "summary.json").read_text())
+        exit_code, minutes = earlier.get("mutmut_exit"), earlier.get("minutes")
     statuses = _statuses(folder, env if env is not None else _env())
     if names:
         statuses = {k: v for k, v in statuses.items() if any(fnmatch.fnmatch(k, g) for g in names)}
