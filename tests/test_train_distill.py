@@ -134,3 +134,16 @@ def test_the_loss_by_hand_label_tokens_only_and_l1_over_the_pruned_layers():
         torch.testing.assert_close(reg, 0.25 * module.alpha[1:].abs().mean())
         with pytest.raises(ValueError, match="one entry per sample"):
             module.losses({**batch, "length": torch.tensor([60, 60])})
+
+
+def test_stage2_channel_scale_keeps_the_sliding_layer_whole(tmp_path):
+    """Stage 2 binarises alpha over the global layers only: Gemma 2's sliding layer 0 keeps every channel,
+    and the global layer keeps about (1 - ratio) of its own channels (high layer-0 scores take none of its budget)."""
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(5)) * 0.5
+    scores[0] += 0.5
+    save_file({"scores": scores}, str(tmp_path / "scores.safetensors"))
+    module = LeanKDistillation.for_model(tiny_model("gemma2"), stage=2, ratio=0.5,
+                                         init_scores=str(tmp_path / "scores.safetensors"), **SIZES)
+    scale = module.channel_scale().detach()
+    assert bool((scale[0] == 1).all()) and int(scale[1].sum()) > int(binarize(scores, 0.5, 4)[1].sum())
+    assert torch.equal(scale.bool(), binarize(scores, 0.5, 4, dense_layers=(0,)))
