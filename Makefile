@@ -96,13 +96,13 @@ sweep: $(STAMP)
 	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
 	  runs/sweep/r90 $(SWEEP_EVAL) --plot runs/sweep/ratio_sweep.png --json runs/sweep/ratio_sweep.json --card
 
-# Mutation testing (not in CI: slow): mutmut (configured in pyproject.toml [tool.mutmut]) breaks the core
-# modules one change at a time and runs the tests that cover each change; survivors are listed at the end.
-# MUTANTS narrows the run to mutant-name globs, e.g. make mutants MUTANTS='leank_infer.mask.binarize.x_binarize*'
-MUTANTS ?=
+# Mutation testing (not in CI: slow): mutmut breaks the core modules one change at a time and runs the tests
+# that cover each change; one pass per module, each with its own narrow tests ([tool.leank-mutants.*] in
+# pyproject.toml), in mutants/<pass>/. Prints killed/timeout/survived/no-tests per pass and the survivors.
+# MODULE runs some passes only: make mutants MODULE=rule (rule loss export eval binarize cache).
+MODULE ?=
 mutants: $(STAMP)
-	$(VENV)/bin/mutmut run $(MUTANTS)
-	$(VENV)/bin/mutmut results
+	$(PY) tests/mutation_passes.py $(MODULE)
 
 bench-vllm: $(STAMP) $(VSTAMP)
 	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"

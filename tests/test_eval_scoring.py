@@ -7,7 +7,9 @@ import torch
 from test_model import tiny_repo
 
 from leank_infer import ChannelMask, LeanKModel
+from leank_train import evaluate as evaluate_module
 from leank_train.evaluate import (
+    RetrievalEval,
     answer_with,
     evaluate,
     next_token_kl,
@@ -79,6 +81,34 @@ def test_next_token_kl_is_zero_for_identical_models_and_positive_for_a_pruned_on
         q = torch.log_softmax(torch.stack(rows).float(), -1)
     first = float((p.exp() * (p - q)).sum(-1).mean())
     assert next_token_kl(lm, WORDS, context=48, steps=12, windows=1) == pytest.approx(first, rel=1e-4)
+
+
+def test_retrieval_eval_scores_each_answer_per_method_and_length(tmp_path, monkeypatch):
+    """The evaluation loop scores the answer each method gave, on its own probe, into its own (method, length)
+    cell, with the probe's generation budget (else the default) and one random mask for the whole run."""
+    from leank_train.ruler import Probe
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    calls = []
+
+    def fake_answer(lm_, method, inputs, max_new_tokens, random_mask):
+        calls.append((method, max_new_tokens, random_mask, inputs["input_ids"].shape[1]))
+        # full answers every probe right; leank only the first of each length, in upper case
+        return {"full": "it is w7 w9", "leank": "IT IS W7 W9" if inputs["input_ids"][0, 0] == 5 else "w7"}[method]
+
+    monkeypatch.setattr(evaluate_module, "answer_with", fake_answer)
+    module = RetrievalEval(lm, ["full", "leank"], [100, 200], max_new_tokens=9)
+    probes = [Probe([{"role": "user", "content": f"w{first} w4"}], ["w7", "w9"], "passkey", n, max_new_tokens=budget)
+              for n in (100, 200) for first, budget in ((5, None), (6, 3))]
+    for i, probe in enumerate(probes):
+        module.test_step(probe, i)
+    assert module.results() == {"full": {100: 1.0, 200: 1.0}, "leank": {100: 0.5, 200: 0.5}}
+    assert [r["correct"] for r in module.answers[:2]] == [{"full": True, "leank": True}, {"full": True, "leank": False}]
+    assert module.answers[1]["leank"] == "w7" and module.answers[3]["length"] == 200
+    assert [c[1] for c in calls] == [9, 9, 3, 3] * 2  # the probe's budget, else the evaluation's
+    assert all(c[2] is module._random for c in calls) and module._random is not None
+    assert [c[3] for c in calls[:2]] == [3, 3]  # "w5 w4" + the template's w3: the probe's own prompt
 
 
 @pytest.mark.slow

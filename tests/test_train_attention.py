@@ -81,6 +81,11 @@ def test_ste_forward_is_binary_and_backward_reaches_alpha():
     weights = torch.randn_like(alpha)
     (mask * weights).sum().backward()
     torch.testing.assert_close(alpha.grad, weights)
+    # dense (sliding) layers keep every channel and stay out of the ratio, as in binarize
+    high = alpha.detach() + torch.tensor([1.0, 0.0, 0.0]).view(3, 1, 1)  # layer 0 would take the budget
+    dense = binary_ste(high, 0.5, 4, 0, (0,))
+    assert bool(dense[0].all()) and torch.equal(dense.bool(), binarize(high, 0.5, 4, dense_layers=(0,)))
+    assert dense[1:].sum() == 0.5 * dense[1:].numel() > binary_ste(high, 0.5, 4)[1:].sum()
 
 
 def test_stage2_step_uses_the_binary_mask_and_trains_alpha(tmp_path):

@@ -107,3 +107,43 @@ def test_channels_that_carry_the_answer_survive_the_l1_pull():
     keep = binarize(alpha, 1 - 2 / 16, 2)
     assert keep.nonzero()[:, -1].unique().tolist() == list(PLANTED)
     assert bool((keep.sum(-1) == 2).all())
+
+
+def test_the_loss_by_hand_label_tokens_only_and_l1_over_the_pruned_layers():
+    """sample_distill is the mean over label tokens (not -100) of the per-token mean squared error of the
+    last hidden states; the L1 is reg_weight * mean |alpha| over the layers LeanK prunes (not Gemma 2's
+    sliding layer 0); a batch without ``length`` is all full length; mismatched sizes are named."""
+    module = LeanKDistillation.for_model(tiny_model("gemma2"), reg_weight=0.25, **SIZES)
+    with torch.no_grad():
+        module.alpha.copy_(torch.rand(module.alpha.shape, generator=torch.Generator().manual_seed(4)))
+        module.alpha[0] = 1.0  # the dense layer's alpha (unused) must not count in the L1
+    batch = _batch()
+    ids, labels = batch["input_ids"], batch["labels"].clone()
+    with torch.no_grad():
+        teacher, student = module.hidden_states(ids, 50)
+        per_token = (teacher.float() - student.float()).pow(2).mean(-1)[0]  # the 10 answer tokens
+        assert per_token.shape == (10,) and bool((per_token > 0).all())
+        labels[0, 50:55] = -100
+        torch.testing.assert_close(module.sample_distill(ids, labels, 50), per_token[5:].mean())
+        labels[0, 55:59] = -100  # one label token left
+        torch.testing.assert_close(module.sample_distill(ids, labels, 50), per_token[9])
+        labels[0, 59] = -100
+        assert float(module.sample_distill(ids, labels, 50)) == 0.0  # no label: 0, not NaN
+        distill, reg = module.losses(batch)
+        torch.testing.assert_close(distill, per_token.mean())
+        torch.testing.assert_close(reg, 0.25 * module.alpha[1:].abs().mean())
+        with pytest.raises(ValueError, match="one entry per sample"):
+            module.losses({**batch, "length": torch.tensor([60, 60])})
+
+
+def test_stage2_channel_scale_keeps_the_sliding_layer_whole(tmp_path):
+    """Stage 2 binarises alpha over the global layers only: Gemma 2's sliding layer 0 keeps every channel,
+    and the global layer keeps about (1 - ratio) of its own channels (high layer-0 scores take none of its budget)."""
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(5)) * 0.5
+    scores[0] += 0.5
+    save_file({"scores": scores}, str(tmp_path / "scores.safetensors"))
+    module = LeanKDistillation.for_model(tiny_model("gemma2"), stage=2, ratio=0.5,
+                                         init_scores=str(tmp_path / "scores.safetensors"), **SIZES)
+    scale = module.channel_scale().detach()
+    assert bool((scale[0] == 1).all()) and int(scale[1].sum()) > int(binarize(scores, 0.5, 4)[1].sum())
+    assert torch.equal(scale.bool(), binarize(scores, 0.5, 4, dense_layers=(0,)))

@@ -99,3 +99,45 @@ def test_checkpoints_hold_alpha_not_the_base_model(datamodule, tmp_path):
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)  # our own file, tensors and plain data only
     assert list(ckpt["state_dict"]) == ["alpha"]
+
+
+def test_export_writes_what_the_fit_did_on_rank_zero_only(tmp_path):
+    """ExportMask at the end of fit, without a fit: the mask of alpha at the decode-time sizes, the training
+    record (stage, steps, train recent size, mean of the last distillation losses), the embedded base model
+    under its Hub id with its loader hints, the recipe's text; nothing on other ranks or without a folder."""
+    from types import SimpleNamespace
+
+    from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
+    from leank_infer.mask import MaskError
+
+    module = _module("llama", stage=1, loader={"extra": "x"})
+    with torch.no_grad():
+        module.alpha.copy_(torch.rand(module.alpha.shape, generator=torch.Generator().manual_seed(0)))
+    module.recent_distill = [0.25, 0.75]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  lr: 0.05\n")
+    rank0, rank1 = SimpleNamespace(is_global_zero=True, global_step=7), SimpleNamespace(is_global_zero=False, global_step=7)
+
+    ExportMask(dirpath=str(tmp_path / "other"), recipe=str(recipe)).on_fit_end(rank1, module)
+    ExportMask(dirpath=None).on_fit_end(rank0, module)
+    assert not (tmp_path / "other").exists()
+
+    export = ExportMask(dirpath=str(tmp_path / "mask"), recent_size=24, accumu_size=6, recipe=str(recipe))
+    export.setup(rank0, module, "fit")
+    export.on_fit_end(rank0, module)
+    assert export.exported == tmp_path / "mask"
+    mask = ChannelMask.from_dir(tmp_path / "mask")
+    assert torch.equal(mask.keep, module.mask().keep)
+    assert (mask.sink_size, mask.recent_size, mask.accumu_size) == (4, 24, 6)
+    assert mask.extra["training"] == {"stage": 1, "steps": 7, "train_recent_size": 8, "final_distill_loss_last10": 0.5}
+    assert mask.base_model == EMBEDDED_MODEL_ID and mask.loader == {**EMBEDDED_LOADER, "extra": "x"}
+    assert mask.recipe == "model:\n  lr: 0.05\n"
+    assert ExportMask(recipe="model:\n  lr: 1\n").recipe_text() == "model:\n  lr: 1\n"  # the text itself
+    assert ExportMask(recipe=str(tmp_path / "missing.yaml")).recipe_text() == str(tmp_path / "missing.yaml")
+    assert ExportMask().recipe_text() is None
+
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("mine")
+    with pytest.raises(MaskError):  # refused before training, on rank zero
+        ExportMask(dirpath=str(tmp_path / "user")).setup(rank0, module, "fit")
+    ExportMask(dirpath=str(tmp_path / "user")).setup(rank1, module, "fit")
