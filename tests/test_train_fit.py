@@ -108,6 +108,7 @@ def test_export_writes_what_the_fit_did_on_rank_zero_only(tmp_path):
     from types import SimpleNamespace
 
     from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
+
     from leank_infer.mask import MaskError
 
     module = _module("llama", stage=1, loader={"extra": "x"})
