@@ -37,8 +37,8 @@ from leank_infer.cli_types import positive_int
 from leank_infer.generation import CACHE_KWARG
 
 from .errors import RecipeError
-from .ruler import TASKS, Probe, build_probes, chat_ids, correct, haystack_sentences
-from .stats import summarize
+from .evaluation.stats import summarize
+from .evaluation.tasks import TASKS, Probe, build_probes, chat_ids, correct, haystack_sentences
 
 #: the RULER-style tasks (leank_train.ruler), all of them by default
 TASK_NAMES = tuple(TASKS)
