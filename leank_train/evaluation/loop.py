@@ -73,13 +73,16 @@ def answer_with(lm: Any, method_name: str, inputs: dict[str, torch.Tensor], max_
 class RetrievalEval(L.LightningModule):
     """Answers every batch of probes with each method; accuracy per (method, length) as torchmetrics."""
 
-    def __init__(self, lm: Any, methods: Sequence[str], lengths: Sequence[int], max_new_tokens: int = 24):
+    def __init__(self, lm: Any, methods: Sequence[str | Method], lengths: Sequence[int], max_new_tokens: int = 24):
         super().__init__()
         self.lm = lm
-        self.methods = [RandomChannels() if m == "random" else method(m) for m in methods]
+        self.methods = [m if isinstance(m, Method) else method(m) for m in methods]
+        names = [m.name for m in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two methods of one evaluation share a name: {names}")
         self.max_new_tokens = max_new_tokens
         self.acc = torch.nn.ModuleDict({
-            f"{m}_{n}": torchmetrics.aggregation.MeanMetric() for m in methods for n in lengths
+            f"{m}_{n}": torchmetrics.aggregation.MeanMetric() for m in names for n in lengths
         })
         self.answers: list[dict[str, Any]] = []
 
@@ -127,7 +130,7 @@ def batches(probes: Sequence[Probe], batch_tokens: int = BATCH_TOKENS) -> list[l
 
 
 def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, kinds: Sequence[str] = KINDS,
-             methods: Sequence[str] = tuple(METHODS), seed: int = 1234, kl: bool = True,
+             methods: Sequence[str | Method] = tuple(METHODS), seed: int = 1234, kl: bool = True,
              max_new_tokens: int = 24, sentences: list[str] | None = None,
              tasks: Sequence[str] | None = None, batch_tokens: int = BATCH_TOKENS) -> dict[str, Any]:
     """Run the probes (and the KL) and return accuracy per method and length.
@@ -135,12 +138,13 @@ def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, k
     ``tasks`` (names of :data:`.tasks.TASKS`): the suite, ``samples`` probes per task and length,
     each task with its own generation budget, and the per-task cells, paired counts and headline of
     :func:`.stats.summarize`. Without ``tasks``: the older needle ``kinds``, ``samples`` per length.
+    ``methods``: names (:data:`.methods.METHODS`) or :class:`.methods.Method` objects (e.g. a second
+    learned mask, or a baseline at its budget, answering the same probes after the same prefill).
     ``sentences`` is the KL's held-out text (and the needle kinds' haystack); default: standard-library
     docstrings, see :func:`.tasks.haystack_sentences`. ``batch_tokens`` bounds a batch's prompt tokens.
     """
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    methods = [m if isinstance(m, Method) else method(m) for m in methods]
+    names = [m.name for m in methods]
     max_pos = getattr(lm.model.config, "max_position_embeddings", None)
     # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
     budget = max(lengths) if tasks is not None else max(lengths) + max_new_tokens
@@ -160,9 +164,9 @@ def evaluate(lm: Any, lengths: Sequence[int] = (1024, 2048), samples: int = 4, k
     loader = DataLoader(batches(probes, batch_tokens), batch_size=None, collate_fn=lambda b: b)
     trainer.test(module, loader, verbose=False)
     out: dict[str, Any] = {"accuracy": module.results(), "samples_per_length": samples, "lengths": list(lengths),
-                           "methods": list(methods), "answers": module.answers}
+                           "methods": names, "answers": module.answers}
     if tasks is not None:
-        out.update(samples_per_task=samples, **summarize(module.answers, methods, lengths, tasks))
+        out.update(samples_per_task=samples, **summarize(module.answers, names, lengths, tasks))
     if kl:
         out["next_token_kl"] = next_token_kl(lm, sentences)
     return out

@@ -14,7 +14,7 @@ Nothing here keeps state between calls: a method's fields are its settings.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -24,9 +24,12 @@ from .prefill import Prefill
 
 
 class Method:
-    """Which channels a method decodes with; ``window`` > 0 asks the prefill to record that many queries."""
+    """Which channels a method decodes with; ``window`` > 0 asks the prefill to record that many queries.
 
-    name: ClassVar[str] = ""
+    ``name`` labels its answers (a second learned mask in the same run is ``Learned("leank-r80", mask)``).
+    """
+
+    name: str = ""
     window: int = 0
 
     def mask(self, lm: Any, prefill: Prefill, row: int) -> ChannelMask | None:
@@ -34,52 +37,59 @@ class Method:
         raise NotImplementedError
 
 
+@dataclass
 class Full(Method):
     """The full model: dense attention and the model's own cache."""
 
-    name = "full"
+    name: str = "full"
 
     def mask(self, lm, prefill, row):
         return None
 
 
+@dataclass
 class Learned(Method):
-    """LeanK: the learned mask ``lm.mask``."""
+    """LeanK: the learned mask, ``lm.mask`` unless ``learned`` is given."""
 
-    name = "leank"
+    name: str = "leank"
+    learned: ChannelMask | None = None
 
     def mask(self, lm, prefill, row):
-        return lm.mask
+        return self.learned if self.learned is not None else lm.mask
 
 
 @dataclass
 class RandomChannels(Method):
-    """Per head as many kept channels as the learned mask, drawn at random with ``seed`` (or ``fixed``)."""
+    """Per head as many kept channels as the learned mask (``like``, default ``lm.mask``), drawn at random
+    with ``seed``; or the ``fixed`` mask given."""
 
-    name: ClassVar[str] = "random"
+    name: str = "random"
     seed: int = 0
+    like: ChannelMask | None = None
     fixed: ChannelMask | None = None
 
     def mask(self, lm, prefill, row):
-        return self.fixed if self.fixed is not None else random_mask_like(lm.mask, self.seed)
+        return self.fixed if self.fixed is not None else random_mask_like(self.like or lm.mask, self.seed)
 
 
 @dataclass
 class ThinK(Method):
-    """ThinK's selection from row ``row``'s last ``window`` queries and all its keys, at the learned budget."""
+    """ThinK's selection from row ``row``'s last ``window`` queries and all its keys, at the budget of the
+    learned mask (``like``, default ``lm.mask``)."""
 
-    name: ClassVar[str] = "think"
+    name: str = "think"
     window: int = 32
+    like: ChannelMask | None = None
 
     def mask(self, lm, prefill, row):
         start = int(prefill.starts[row])
         keys = {i: k[row:row + 1, :, start:] for i, k in enumerate(prefill.keys)}
         queries = {i: q[row:row + 1] for i, q in prefill.queries.items()}
-        return think_from(queries, keys, lm.mask, self.window)
+        return think_from(queries, keys, self.like or lm.mask, self.window)
 
 
 #: the methods by name, as ``--methods`` names them
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Learned, RandomChannels, ThinK)}
+METHODS: dict[str, type[Method]] = {m().name: m for m in (Full, Learned, RandomChannels, ThinK)}
 
 
 def method(name: str) -> Method:
