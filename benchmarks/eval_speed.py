@@ -83,8 +83,9 @@ def main() -> None:
             print(f"{name:6s}: {len(probes) / cpu:.3f} probes per CPU-second ({cpu:.1f} s CPU), "
                   f"{len(probes) / wall:.3f} probes/s wall ({wall:.1f} s)", flush=True)
     if "before" in answers:
-        same = sum(answers["before"][m][i] == answers["after"][m][i] for m in answers["after"] for i in range(len(probes)))
-        print(f"answers equal: {same}/{4 * len(probes)}")
+        pairs = [(a, b) for m in ("full", "leank", "random", "think")
+                 for a, b in zip(answers["before"][m], answers["after"][m], strict=True)]
+        print(f"answers equal: {sum(a == b for a, b in pairs)}/{len(pairs)}")
 
 
 if __name__ == "__main__":
