@@ -43,7 +43,7 @@ def before(lm: LeanKModel, prompts: list[list[int]], budgets: list[int]) -> dict
 
 
 def after(lm: LeanKModel, probes, prompts, budgets) -> dict[str, list[str]]:
-    methods = [Full(), Learned(), RandomChannels(0), ThinK()]
+    methods = [Full(), Learned(), RandomChannels(seed=0), ThinK()]
     out: dict[str, list[str]] = {m.name: [] for m in methods}
     i = 0
     for batch in batches(probes):
