@@ -86,7 +86,7 @@ def test_next_token_kl_is_zero_for_identical_models_and_positive_for_a_pruned_on
 def test_retrieval_eval_scores_each_answer_per_method_and_length(tmp_path, monkeypatch):
     """The evaluation loop scores the answer each method gave, on its own probe, into its own (method, length)
     cell, with the probe's generation budget (else the default) and one random mask for the whole run."""
-    from leank_train.ruler import Probe
+    from leank_train.evaluation.tasks import Probe
 
     mask_dir, _ = tiny_repo(tmp_path)
     lm = LeanKModel.from_pretrained(mask_dir)
@@ -123,3 +123,27 @@ def test_evaluate_scores_right_answers_and_a_mask_that_breaks_retrieval(embedded
     for row in res["answers"]:
         assert row["expected"][0] in row["full"] and row["expected"][0] not in row["leank"], row
     assert res["accuracy"] == {"full": {320: 1.0}, "leank": {320: 0.0}}
+
+
+def test_a_batch_answers_as_each_prompt_alone(tmp_path):
+    """One shared dense prefill of a left-padded batch, then each method decodes the batch: every row's answer is
+    that prompt's own answer (each method alone, no padding), so batching and sharing the prefill change nothing."""
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
+
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
+    mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (64, 41, 57)]
+    methods = [Full(), Learned(), RandomChannels(seed=7), ThinK()]
+    got = answer_batch(lm, methods, prompts, [16, 16, 9])
+    rnd = random_mask_like(lm.mask, seed=7)
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        own = {"full": None, "leank": lm.mask, "random": rnd, "think": think_mask(lm.model, ids, lm.mask)}
+        for name, m in own.items():
+            want = _decode(lm, m, inputs, 9 if i == 2 else 16)
+            assert got[name][i] == want, (name, i)

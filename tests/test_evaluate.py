@@ -29,18 +29,23 @@ def test_think_baseline_keeps_the_channels_with_the_largest_q_k_norms():
     th = think_mask(model, ids, mask, window=8)
     per_head = int(round(float(mask.keep.float().mean()) * 16))
     assert (th.kept_counts == per_head).all()  # same budget, uniform over heads (ThinK)
-    assert model.config._attn_implementation != "leank_probe"  # the probe is removed afterwards
-    # recompute the rule for layer 0 from the model's own q/k
-    from leank_train import evaluate as ev
+    assert model.config._attn_implementation == "sdpa"  # the recording prefill gives the model back as it was
+    # recompute the rule for layer 0 from the model's own q/k, computed here by hand (layer 0 reads the embeddings)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    ev._PROBE.clear()
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("leank_probe", ev._probe_attention)
-    model.set_attn_implementation("leank_probe")
     with torch.no_grad():
-        model(input_ids=ids)
-    q, k = ev._PROBE[0]
+        h = model.model.embed_tokens(ids)
+        x = model.model.layers[0].input_layernorm(h)
+        attn = model.model.layers[0].self_attn
+        cos, sin = model.model.rotary_emb(h, torch.arange(40)[None])
+        q = attn.q_proj(x).view(1, 40, -1, 16).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 40, -1, 16).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    from leank_train.evaluation.prefill import prefill
+
+    pre = prefill(model, ids, torch.ones_like(ids), window=8)  # what ThinK reads: the recorded q, the cache's k
+    torch.testing.assert_close(pre.queries[0], q[:, :, -8:])
+    torch.testing.assert_close(pre.keys[0], k)
     qn = q[:, :, -8:].reshape(1, 2, 2, -1, 16).pow(2).sum((0, 2, 3)).sqrt()
     kn = k.pow(2).sum((0, 2)).sqrt()
     expected = torch.zeros(2, 16, dtype=torch.bool)

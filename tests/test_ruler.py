@@ -1,4 +1,4 @@
-"""The RULER-style suite (leank_train.ruler): its probes do what each task defines, fit their length, and
+"""The RULER-style suite (leank_train.evaluation.tasks): its probes do what each task defines, fit their length, and
 share no wording, haystack sentence or key word with the training data (leank_train.data)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from collections import Counter
 
 import pytest
 
-from leank_train import data, ruler
+from leank_train import data
 from leank_train.data import haystack
-from leank_train.ruler import TASKS, build_probes, chat_ids
+from leank_train.evaluation import tasks as ruler
+from leank_train.evaluation.tasks import TASKS, build_probes, chat_ids
 
 
 def word_tokenizer():

@@ -1,10 +1,10 @@
-"""Evaluation statistics (leank_train.stats) and how they reach the table, the JSON and the model card."""
+"""Evaluation statistics (leank_train.evaluation.stats) and how they reach the table, the JSON and the model card."""
 
 from __future__ import annotations
 
 import pytest
 
-from leank_train.stats import mcnemar_p, paired_counts, probes_for_se, summarize, wilson_interval
+from leank_train.evaluation.stats import mcnemar_p, paired_counts, probes_for_se, summarize, wilson_interval
 
 
 def test_wilson_interval_matches_the_textbook_values():

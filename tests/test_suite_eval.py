@@ -107,3 +107,26 @@ def test_sweep_on_the_suite_pairs_each_mask_with_the_full_model(tmp_path):
             assert row["accuracy"][300] != row["accuracy"][300]  # nan: no task to score on
         rows = card_results({**row, "methods": ["full", "leank"]}, "leank eval a b")
         assert {r["metric_config"] for r in rows} == {"full", "leank"}
+
+
+def test_one_pass_pairs_several_masks_and_their_baselines_with_the_full_model(tmp_path):
+    """Method objects: a second learned mask and a baseline at its budget answer the same probes under their own
+    names, each paired with the full model; the second mask decodes as that mask alone would."""
+    import torch
+
+    from leank_infer import ChannelMask
+    from leank_train.evaluation.methods import Full, Learned, RandomChannels
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    other = ChannelMask.from_scores(torch.rand(lm.mask.keep.shape, generator=torch.Generator().manual_seed(5)),
+                                    0.75, 4, sink_size=4, recent_size=8, accumu_size=4, base_model=lm.mask.base_model)
+    kw = dict(lengths=[48], samples=3, kinds=["passkey"], seed=0, kl=False, max_new_tokens=6,
+              sentences=["w5 w6 w7 w8 w9 w10 w11 w12."] * 20)
+    res = evaluate(lm, methods=[Full(), "leank", Learned("leank-b", other), RandomChannels("random-b", like=other)],
+                   **kw)
+    assert res["methods"] == ["full", "leank", "leank-b", "random-b"]
+    alone = evaluate(LeanKModel(lm.model, other, lm.tokenizer), methods=["leank"], **kw)
+    assert [r["leank-b"] for r in res["answers"]] == [r["leank"] for r in alone["answers"]]
+    with pytest.raises(ValueError, match="share a name"):
+        evaluate(lm, methods=["full", Full()], **kw)

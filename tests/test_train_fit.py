@@ -107,7 +107,7 @@ def test_export_writes_what_the_fit_did_on_rank_zero_only(tmp_path):
     under its Hub id with its loader hints, the recipe's text; nothing on other ranks or without a folder."""
     from types import SimpleNamespace
 
-    from leank_infer.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
+    from leank_infer.model.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
 
     from leank_infer.mask import MaskError
 

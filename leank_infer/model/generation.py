@@ -114,7 +114,7 @@ def set_attn_implementation(model: Any, name: str) -> None:
 
 def install(model: Any, mask: ChannelMask, dense_until: int = 0) -> None:
     """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``
-    (with ``dense_until``, see :class:`~leank_infer.cache.LeanKCache`).
+    (with ``dense_until``, see :class:`~leank_infer.decode.cache.LeanKCache`).
 
     This object only; installing again replaces the mask (the model decodes with the last one). The
     mask must already be checked against the model (``mask.validate(model.config)``). The attention

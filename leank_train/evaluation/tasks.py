@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 #: the filler haystack (RULER's "noise"): our own sentences, not the training data's ``NOISE``
 FILLER = ("The kettle hums on the stove. A cat naps by the window. Rain taps on the roof. "
@@ -77,7 +77,7 @@ def vocabulary(part: str) -> tuple[str, ...]:
     ``RandomWord`` builds search tries, seconds per list, that nothing here needs.)"""
     from importlib.resources import files
 
-    from .data.haystack import _WORDS
+    from ..data.haystack import _WORDS
 
     assets = files("wonderwords.assets")
     banned = set(_WORDS) | set(assets.joinpath("profanitylist.txt").read_text().split())
@@ -137,7 +137,7 @@ def haystack_sentences() -> list[str]:
 @functools.cache
 def training_sentences() -> frozenset[str]:
     """Every sentence of the training haystacks (``essay`` and ``noise``), split as training splits them."""
-    from .data.haystack import _SENTENCE_END, haystack_text
+    from ..data.haystack import _SENTENCE_END, haystack_text
 
     out: set[str] = set()
     for name in ("essay", "noise"):
@@ -146,7 +146,7 @@ def training_sentences() -> frozenset[str]:
 
 
 def _split(text: str) -> list[str]:
-    from .data.haystack import _SENTENCE_END
+    from ..data.haystack import _SENTENCE_END
 
     return [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
 

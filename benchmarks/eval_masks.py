@@ -1,0 +1,63 @@
+"""Several masks of one base model and the baselines at each one's budget, on the same suite probes, in one pass.
+
+``leank eval MASK`` answers with the full model, one learned mask and the two baselines at its budget;
+``leank eval A B`` sweeps masks without baselines. Here every probe is prefilled once (dense, shared) and
+then decoded by the full model, each learned mask (``leank-r70``: the mask of ratio 0.7) and, per mask,
+random and ThinK channels at its K budget (``random-r70``, ``think-r70``), so all of them are paired with
+the full model on the same probes. Prints the suite table (``leank_train.evaluation.report``), and the
+time taken.
+
+    python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
+        --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from leank_infer import ChannelMask, LeanKModel
+from leank_train.evaluation.loop import evaluate
+from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
+from leank_train.evaluation.report import format_table
+from leank_train.evaluation.settings import TASK_NAMES
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("masks", nargs="+")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES))
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = LeanKModel.from_pretrained(args.masks[0])
+    methods = [Full()]
+    for path in args.masks:
+        mask = ChannelMask.from_pretrained(path)
+        mask.validate(lm.model.config)
+        tag = f"r{round(mask.ratio * 100)}"
+        methods.append(Learned(f"leank-{tag}", mask))
+        if not args.no_baselines:
+            methods += [RandomChannels(f"random-{tag}", like=mask), ThinK(f"think-{tag}", like=mask)]
+    start = time.perf_counter()
+    res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
+    took = time.perf_counter() - start
+    probes = len(res["answers"])
+    print(format_table(res))
+    print(f"\n{probes} probes, {len(methods)} methods, {took / 60:.1f} min wall ({probes / took:.3f} probes/s), "
+          f"{torch.get_num_threads()} torch threads")
+    if args.json:
+        args.json.write_text(json.dumps({"seconds": took, **res}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
