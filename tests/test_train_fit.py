@@ -107,9 +107,8 @@ def test_export_writes_what_the_fit_did_on_rank_zero_only(tmp_path):
     under its Hub id with its loader hints, the recipe's text; nothing on other ranks or without a folder."""
     from types import SimpleNamespace
 
-    from leank_infer.model.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
-
     from leank_infer.mask import MaskError
+    from leank_infer.model.loading import EMBEDDED_LOADER, EMBEDDED_MODEL_ID
 
     module = _module("llama", stage=1, loader={"extra": "x"})
     with torch.no_grad():
