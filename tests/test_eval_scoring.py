@@ -85,30 +85,32 @@ def test_next_token_kl_is_zero_for_identical_models_and_positive_for_a_pruned_on
 
 def test_retrieval_eval_scores_each_answer_per_method_and_length(tmp_path, monkeypatch):
     """The evaluation loop scores the answer each method gave, on its own probe, into its own (method, length)
-    cell, with the probe's generation budget (else the default) and one random mask for the whole run."""
+    cell, with the probe's generation budget (else the default), every batch answered by the same methods."""
+    from leank_train.evaluation import loop
     from leank_train.evaluation.tasks import Probe
 
     mask_dir, _ = tiny_repo(tmp_path)
     lm = LeanKModel.from_pretrained(mask_dir)
     calls = []
 
-    def fake_answer(lm_, method, inputs, max_new_tokens, random_mask):
-        calls.append((method, max_new_tokens, random_mask, inputs["input_ids"].shape[1]))
+    def fake_answer_batch(lm_, methods, prompts, max_new_tokens):
+        calls.append(([m.name for m in methods], list(max_new_tokens), [len(p) for p in prompts], methods))
         # full answers every probe right; leank only the first of each length, in upper case
-        return {"full": "it is w7 w9", "leank": "IT IS W7 W9" if inputs["input_ids"][0, 0] == 5 else "w7"}[method]
+        return {"full": ["it is w7 w9"] * len(prompts),
+                "leank": ["IT IS W7 W9" if p[0] == 5 else "w7" for p in prompts]}
 
-    monkeypatch.setattr(evaluate_module, "answer_with", fake_answer)
+    monkeypatch.setattr(loop, "answer_batch", fake_answer_batch)
     module = RetrievalEval(lm, ["full", "leank"], [100, 200], max_new_tokens=9)
     probes = [Probe([{"role": "user", "content": f"w{first} w4"}], ["w7", "w9"], "passkey", n, max_new_tokens=budget)
               for n in (100, 200) for first, budget in ((5, None), (6, 3))]
-    for i, probe in enumerate(probes):
-        module.test_step(probe, i)
+    for i, n in enumerate((100, 200)):
+        module.test_step([p for p in probes if p.length == n], i)
     assert module.results() == {"full": {100: 1.0, 200: 1.0}, "leank": {100: 0.5, 200: 0.5}}
     assert [r["correct"] for r in module.answers[:2]] == [{"full": True, "leank": True}, {"full": True, "leank": False}]
     assert module.answers[1]["leank"] == "w7" and module.answers[3]["length"] == 200
-    assert [c[1] for c in calls] == [9, 9, 3, 3] * 2  # the probe's budget, else the evaluation's
-    assert all(c[2] is module._random for c in calls) and module._random is not None
-    assert [c[3] for c in calls[:2]] == [3, 3]  # "w5 w4" + the template's w3: the probe's own prompt
+    assert [c[1] for c in calls] == [[9, 3]] * 2  # the probe's budget, else the evaluation's
+    assert all(c[0] == ["full", "leank"] and c[3] is module.methods for c in calls)
+    assert [c[2] for c in calls] == [[3, 3]] * 2  # "w5 w4" + the template's w3: the probe's own prompt
 
 
 @pytest.mark.slow
