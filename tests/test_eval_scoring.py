@@ -7,7 +7,6 @@ import torch
 from test_model import tiny_repo
 
 from leank_infer import ChannelMask, LeanKModel
-from leank_train import evaluate as evaluate_module
 from leank_train.evaluate import (
     RetrievalEval,
     answer_with,
