@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError
-from .decode.cache import dynamic_cache_bytes
+from .decode.cache import dynamic_cache_bytes, fill_from_prefill
 from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
@@ -102,12 +102,10 @@ def prefill_kv(lk: LeanKModel, ids: torch.Tensor) -> tuple[list[tuple[torch.Tens
 
 
 def filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
-    """``cache`` after a prefill that gave ``kv`` (batch 1), its row repeated ``batch`` times: a LeanK cache
-    compresses it as its own prefill would (it is the same ``update``)."""
+    """``cache`` after the prefill that gave ``kv`` (batch 1), its row repeated ``batch`` times."""
     with torch.inference_mode():
-        for i, (k, v) in enumerate(kv):
-            cache.update(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous(), i)
-    return cache
+        return fill_from_prefill(cache, [k.expand(batch, -1, -1, -1).contiguous() for k, _ in kv],
+                                 [v.expand(batch, -1, -1, -1).contiguous() for _, v in kv])
 
 
 def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wall") -> dict[str, float]:

@@ -491,6 +491,21 @@ def _dense_layer_bytes(layer: CacheLayerMixin) -> int:
     return storage_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)])
 
 
+def fill_from_prefill(
+    cache: Cache, keys: Iterable[torch.Tensor], values: Iterable[torch.Tensor], position_ids: torch.Tensor | None = None
+) -> Cache:
+    """``cache`` as a prefill that computed ``keys``/``values`` (per layer ``[B, Hkv, T, D]``) leaves it.
+
+    Each layer takes them through its own ``update``, so a LeanK cache compresses them exactly as in its
+    own prefill: one dense prefill can serve a dense cache and LeanK caches alike (the benchmark, the
+    evaluation). ``position_ids`` give left-padded rows their starts, as ``generate`` numbers them.
+    """
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k, v, i, kwargs=kwargs)
+    return cache
+
+
 def dynamic_cache_bytes(cache: Cache) -> int:
     """Bytes of K/V a plain transformers cache (DynamicCache and friends) holds, for dense comparisons."""
     return storage_bytes(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from leank_infer import ChannelMask
-from leank_infer.decode.cache import LeanKCache
+from leank_infer.decode.cache import LeanKCache, fill_from_prefill
 from leank_infer.model.generation import CACHE_KWARG
 
 #: the attention implementation of a recording prefill: the model's dense attention, plus the recorder
@@ -122,10 +122,7 @@ def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill) -> Any:
 
     config = lm.model.config
     cache = DynamicCache(config=config) if mask is None else LeanKCache(mask, config=config)
-    kwargs = {"position_ids": pre.positions}
-    for i, (k, v) in enumerate(zip(pre.keys, pre.values, strict=True)):
-        cache.update(k, v, i, kwargs=kwargs)
-    return cache
+    return fill_from_prefill(cache, pre.keys, pre.values, pre.positions)
 
 
 def _eos_ids(lm: Any) -> set[int]:
