@@ -102,12 +102,13 @@ def test_retrieval_eval_scores_each_answer_per_method_and_length(tmp_path, monke
     module = RetrievalEval(lm, ["full", "leank"], [100, 200], max_new_tokens=9)
     probes = [Probe([{"role": "user", "content": f"w{first} w4"}], ["w7", "w9"], "passkey", n, max_new_tokens=budget)
               for n in (100, 200) for first, budget in ((5, None), (6, 3))]
-    for i, n in enumerate((100, 200)):
-        module.test_step([p for p in probes if p.length == n], i)
+    # each batch mixes both lengths: every answer must land in its own probe's length cell
+    for i, batch in enumerate(([probes[0], probes[2]], [probes[1], probes[3]])):
+        module.test_step(batch, i)
     assert module.results() == {"full": {100: 1.0, 200: 1.0}, "leank": {100: 0.5, 200: 0.5}}
-    assert [r["correct"] for r in module.answers[:2]] == [{"full": True, "leank": True}, {"full": True, "leank": False}]
-    assert module.answers[1]["leank"] == "w7" and module.answers[3]["length"] == 200
-    assert [c[1] for c in calls] == [[9, 3]] * 2  # the probe's budget, else the evaluation's
+    assert [r["correct"] for r in module.answers[1:3]] == [{"full": True, "leank": True}, {"full": True, "leank": False}]
+    assert module.answers[2]["leank"] == "w7" and [r["length"] for r in module.answers] == [100, 200, 100, 200]
+    assert [c[1] for c in calls] == [[9, 9], [3, 3]]  # the probe's budget, else the evaluation's
     assert all(c[0] == ["full", "leank"] and c[3] is module.methods for c in calls)
     assert [c[2] for c in calls] == [[3, 3]] * 2  # "w5 w4" + the template's w3: the probe's own prompt
 
