@@ -4,7 +4,7 @@ Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infe
 
 - head ``[0, H)``, all channels, ``H = min(T, max_row_start + sink_size)``: the sink of every row,
 - middle ``[H, M)``: K keeps only the masked channels, one tensor per group of KV heads with
-  equal kept count (``[B, Hg, n, c]``), V only for heads that keep any channel,
+  equal kept count (``[B, Hg, n, c]`` views of channel-major storage), V only for heads that keep any channel,
 - tail ``[M, T)``, all channels: the recent tokens, new tokens are appended here.
 
 The layer owns its state changes: the prefill update compresses at once (the attention of the
@@ -62,12 +62,29 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def _grow(buf: torch.Tensor, used: int, cap: int) -> torch.Tensor:
-    """A buffer like ``buf`` with capacity ``cap`` on axis 2, its first ``used`` slots copied."""
-    shape = list(buf.shape)
-    shape[2] = cap
-    out = buf.new_empty(shape)
+    """A buffer like ``buf`` (same memory order) with capacity ``cap`` on axis 2, its first ``used`` slots copied."""
+    b, h, _, c = buf.shape
+    out = _middle_k(buf, b, h, cap, c) if _channel_major(buf) else buf.new_empty(b, h, cap, c)
     out[:, :, :used] = buf[:, :, :used]
     return out
+
+
+def _middle_k(like: torch.Tensor, b: int, h: int, cap: int, c: int) -> torch.Tensor:
+    """Storage of one group's middle K: channel-major ``[B, Hg, c, cap]`` seen as ``[B, Hg, cap, c]``.
+
+    Keys run along memory for each kept channel, so the decode's score product reads a ``[c, n]``
+    matrix with unit stride (about 2x faster on CPU than key-major ``[n, c]`` at c = 16-48).
+    """
+    return like.new_empty(b, h, c, cap).transpose(2, 3)
+
+
+def _channel_major(t: torch.Tensor) -> bool:
+    return t.shape[3] > 1 and t.stride(2) == 1
+
+
+def _batch_map(t: torch.Tensor, fn: Any) -> torch.Tensor:
+    """``fn`` (a map over axis 0) applied to ``t`` keeping its memory order (channel-major middle K stays so)."""
+    return fn(t.transpose(2, 3)).transpose(2, 3) if _channel_major(t) else fn(t)
 
 
 class LeanKLayer(CacheLayerMixin):
@@ -288,7 +305,7 @@ class LeanKLayer(CacheLayerMixin):
         self._full_v[:, :, h : h + t - m] = v[:, :, m:]
         self.head_len, self.tail_len = h, t - m
         n = m - h
-        self._mid_k = [k.new_empty(b, len(hs), n, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
+        self._mid_k = [_middle_k(k, b, len(hs), n, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
         self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), n, v.shape[-1])
         self.mid_len = 0
         self._write_middle(k[:, :, h:m], v[:, :, h:m])
@@ -364,7 +381,7 @@ class LeanKLayer(CacheLayerMixin):
         if self._full_k is None:
             return
         self._full_k, self._full_v, self._mid_v = fn(self._full_k), fn(self._full_v), fn(self._mid_v)
-        self._mid_k = [fn(t) for t in self._mid_k]
+        self._mid_k = [_batch_map(t, fn) for t in self._mid_k]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

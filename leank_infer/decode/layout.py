@@ -163,7 +163,7 @@ class DecodeLayout:
     full_k: torch.Tensor  # [B, Hkv, head_len + tail_len, D]: head then tail
     full_v: torch.Tensor
     head_len: int
-    mid_k: tuple[torch.Tensor, ...]  # per group of ``groups``: [B, Hg, n, c_g] (keys contiguous per head)
+    mid_k: tuple[torch.Tensor, ...]  # per group of ``groups``: [B, Hg, n, c_g] (the cache's: channel-major storage)
     mid_v: torch.Tensor  # [B, Hnz, n, Dv]
     groups: ChannelGroups
     starts: torch.Tensor  # [B] first real token of each row (left padding)

@@ -19,7 +19,8 @@ middle, the latter read by the merge only for heads that keep channels (so nothi
 The middle tile is ``BLOCK_C = next_pow2(max kept count)`` channels for every group, masked to
 the group's count: loads fetch only kept bytes (16-byte vectors when counts are multiples of 16,
 as align 16/32 gives), the dot does padded work, which a memory-bound decode can afford. Middle K
-is indexed as ``[B, Hg, cap, c]`` storage (the cache's preallocated tensors; others are copied).
+is indexed as ``[B, Hg, c, cap]`` (channel-major: the cache's preallocated storage) or ``[B, Hg, cap, c]``
+storage; other strides are copied.
 
 The launcher implements the decode contract of :mod:`leank_infer.decode.backend` over a
 :class:`~leank_infer.decode.layout.DecodeLayout`; masks are its :class:`~leank_infer.decode.layout.DecodeMasks`
@@ -214,14 +215,15 @@ def _mid_part(
     mid_len, mid_cap, split_len, n_kv_heads, n_slots, slot_offset, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, MID_CM: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of (row b, nonzero head i, split) over the compressed middle.
 
     Nonzero head i is KV head ``NZ[i]`` and V row i; it belongs to the last group g with
     ``STARTS[g] <= i``, whose K ``MK[g]`` (``[B, SIZES[g], mid_cap, COUNTS[g]]`` storage, the first
     ``mid_len`` keys used) holds channels ``MCH[g][i - STARTS[g]]`` only: q is gathered on them once,
-    outside the loop.
+    outside the loop. ``MID_CM``: the block of a (row, head) is channel-major ``[c, cap]`` (the cache's
+    storage) instead of key-major ``[cap, c]``.
     """
     k_base = MK[0]
     ch_base = MCH[0]
@@ -257,9 +259,11 @@ def _mid_part(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         in_range = j < mid_len
-        k = tl.load(
-            k_row + j[None, :] * c + offs_c[:, None], mask=c_ok[:, None] & in_range[None, :], other=0.0
-        )
+        if MID_CM:
+            k_ptrs = k_row + j[None, :] + offs_c[:, None] * mid_cap
+        else:
+            k_ptrs = k_row + j[None, :] * c + offs_c[:, None]
+        k = tl.load(k_ptrs, mask=c_ok[:, None] & in_range[None, :], other=0.0)
         ok = in_range
         if HAS_MID_MASK:
             ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
@@ -299,6 +303,7 @@ def _partials_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
     HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+    MID_CM: tl.constexpr,
 ):  # fmt: skip
     """All partials of a decode step in one launch: programs ``[0, n_full_programs)`` do the full parts
     of (row, KV head, split), the rest the middle of (row, nonzero head, split), every group included."""
@@ -324,7 +329,7 @@ def _partials_kernel(
             sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
             STARTS, SIZES, COUNTS,
             mid_len, mid_cap, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale, cap_log2,
-            G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, SOFTCAP, PREC,
+            G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, SOFTCAP, PREC, MID_CM,
         )  # fmt: skip
 
 
@@ -442,21 +447,28 @@ def unsupported(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, s
     return None
 
 
-def _mid_storage(mid_k: tuple[torch.Tensor, ...], n: int) -> tuple[tuple[torch.Tensor, ...], int]:
-    """Middle K as the kernel indexes it, ``[B, Hg, cap, c]`` with keys then channels contiguous, and ``cap``.
+def _mid_storage(mid_k: tuple[torch.Tensor, ...], n: int) -> tuple[tuple[torch.Tensor, ...], int, bool]:
+    """Middle K as the kernel indexes it: ``(tensors, cap, channel_major)``.
 
-    The cache's views (the first n keys of a preallocated ``[B, Hg, cap, c]``) pass as they are; other
-    strides are copied to a compact layout (cap = n).
+    Per (row, head) the kernel reads a ``[cap, c]`` key-major block, or with ``channel_major`` a
+    ``[c, cap]`` block (the cache's preallocated storage: its ``[B, Hg, n, c]`` views pass without a
+    copy). Other strides are copied to a compact key-major layout (cap = n).
     """
-    caps = set()
-    for k in mid_k:
-        b, hg, _, c = k.shape
-        cap = k.stride(1) // max(1, c)
-        ok = k.stride(3) == 1 and k.stride(2) == c and k.stride(1) == cap * c and (b == 1 or k.stride(0) == hg * cap * c)
-        caps.add(cap if ok else -1)
-    if len(caps) == 1 and -1 not in caps:
-        return mid_k, caps.pop()
-    return tuple(k.contiguous() for k in mid_k), n
+    for channel_major in (False, True):
+        caps = set()
+        for k in mid_k:
+            b, hg, _, c = k.shape
+            if channel_major:
+                cap = k.stride(1) // max(1, c)
+                ok = k.stride(2) == 1 and (c == 1 or k.stride(3) == cap) and k.stride(1) == c * cap and cap >= n
+            else:
+                cap = k.stride(1) // max(1, c)
+                ok = k.stride(3) == 1 and k.stride(2) == c and k.stride(1) == cap * c
+            ok = ok and (b == 1 or k.stride(0) == hg * cap * c)
+            caps.add(cap if ok else -1)
+        if len(caps) == 1 and -1 not in caps:
+            return mid_k, caps.pop(), channel_major
+    return tuple(k.contiguous() for k in mid_k), n, False
 
 
 def triton_decode_attention(
@@ -524,9 +536,9 @@ def triton_decode_attention(
         head_mid = torch.zeros(1, 1, h, dtype=torch.bool, device=device)
     hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
     tm, mm = _row_mask(masks.tail, b, t), _row_mask(masks.mid, b, layout.mid_len)
-    mid_cap = 1
+    mid_cap, mid_cm = 1, False
     if s_mid:
-        mk, mid_cap = _mid_storage(tuple(layout.mid_k), n)  # the cache's tensors pass without a copy
+        mk, mid_cap, mid_cm = _mid_storage(tuple(layout.mid_k), n)  # the cache's tensors pass without a copy
         mch = tuple(ch.contiguous() for ch in groups.channels)
         sizes = tuple(len(x) for x in groups.heads)
         counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), layout.mid_v
@@ -551,7 +563,7 @@ def triton_decode_attention(
             G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
             BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
             NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
-            SOFTCAP=softcap is not None,
+            SOFTCAP=softcap is not None, MID_CM=mid_cm,
             PREC="ieee" if query.dtype == torch.float32 else None,  # fp32: exact products, not TF32
             num_warps=NUM_WARPS,
             # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)
