@@ -212,6 +212,32 @@ def test_prefill_layout_and_storage():
     assert layer.nbytes() < 2 * 40 * HKV * D * item
 
 
+def test_middle_k_stays_channel_major_through_growth_and_beam_reorder():
+    """Middle K is stored channel-major (each kept channel's keys contiguous: the decode's score product
+    and the kernel's no-copy path read it so) after the prefill, after the middle grows past its
+    capacity, and after generate reorders beams; and it still holds exactly the kept channels."""
+    run = _Run(_keep(), [30, 30], seed=5)
+    run.step(30)
+    layer = run.layer
+
+    def check() -> None:
+        for heads, channels, k in zip(layer.groups.heads, layer.groups.channels, layer.mid_k, strict=True):
+            assert k.stride(2) == 1 and k.stride(3) >= layer.mid_len  # [B, Hg, c, cap] storage
+            full = run.k[:, heads, SINK : SINK + layer.mid_len]
+            idx = channels.view(1, len(heads), 1, -1).expand(full.shape[0], len(heads), layer.mid_len, -1)
+            assert torch.equal(k, full.gather(-1, idx))
+
+    check()
+    first_cap = layer._mid_v.shape[2]
+    while layer._mid_v.shape[2] == first_cap:  # decode until the middle has grown at least once
+        run.step(1)
+    check()
+    beams = torch.tensor([1, 0])
+    layer.reorder_cache(beams)
+    run.k, run.v = run.k[beams], run.v[beams]
+    check()
+
+
 def test_channel_groups_are_runs_of_equal_count_in_head_order():
     """Groups are runs of consecutive KV heads with one nonzero count, middle V in KV-head order:
     scores and V stay in head order at decode (no index shuffles)."""
