@@ -104,8 +104,9 @@ def build_inputs(
     p = cfg.parts()
     h = min(cfg.seq_len, int(starts_t.max()) + p["head"])
     m = cfg.seq_len - p["tail"]
-    mid_k = [
-        k[:, heads, h:m].gather(-1, ch.view(1, len(heads), 1, -1).expand(b, -1, m - h, -1)).contiguous()
+    mid_k = [  # channel-major storage seen as [B, Hg, n, c], as the LeanK cache stores it
+        k[:, heads, h:m].gather(-1, ch.view(1, len(heads), 1, -1).expand(b, -1, m - h, -1))
+        .transpose(2, 3).contiguous().transpose(2, 3)
         for heads, ch in zip(groups.heads, groups.channels, strict=True)
     ]
     mid_v = v[:, groups.nonzero_order, h:m].contiguous()
