@@ -108,6 +108,10 @@ def rerun_survivors(name: str, pyproject: dict, max_children: int = 1) -> dict:
     its killed mutants stay killed. The stats (which test reaches which function) are collected afresh."""
     folder = ROOT / "mutants" / name
     earlier = json.loads((folder / "summary.json").read_text())
+    # the pass's current settings (its test selection may have grown), the stats collected afresh
+    text = _pyproject_text(ROOT / "pyproject.toml", pass_config(pyproject, name)[0])
+    for where in (folder, folder / "mutants"):  # mutmut reads the first, its test runs the copy in the second
+        (where / "pyproject.toml").write_text(text)
     (folder / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = _env()
     start = time.monotonic()
