@@ -191,3 +191,20 @@ def test_one_default_generation_budget():
     budget = inspect.signature(evaluate).parameters["max_new_tokens"].default
     assert inspect.signature(answer_with).parameters["max_new_tokens"].default == budget
     assert inspect.signature(RetrievalEval).parameters["max_new_tokens"].default == budget
+
+
+def test_a_batch_answers_without_a_pad_token(tmp_path):
+    """A tokenizer without a pad token (Llama's) still batches: the left padding is id 0, never attended."""
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Full
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    lm.tokenizer.pad_token = None
+    assert lm.tokenizer.pad_token_id is None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 21)]
+    got = answer_batch(lm, [Full()], prompts, [6, 6])["full"]
+    for p, text in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        assert text == _decode(lm, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6)
