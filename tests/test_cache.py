@@ -368,3 +368,22 @@ def test_bytes_count_an_empty_cache_as_nothing_and_sliding_layers_as_their_stora
     assert cache.leank_layers == [1] and pruned.nbytes() > 0
     held = sliding.keys.untyped_storage().nbytes() + sliding.values.untyped_storage().nbytes()
     assert held > 0 and cache.nbytes() == held + pruned.nbytes()
+
+
+def test_an_accumulation_of_one_token_rolls_one_key_per_step(monkeypatch):
+    """accumu_size 1: every decode step past recent + 1 full keys moves exactly one key to the middle, and the
+    output stays the documented rule's. A layer updated without attention kwargs prefills as an unpadded batch."""
+    monkeypatch.setitem(globals(), "ACCUMU", 1)
+    run = _Run(_keep(), [25])
+    run.step(25)
+    mids = [run.layer.mid_len]
+    for _ in range(6):
+        out, _ = run.step(1)
+        assert _rel_err(out, run.reference()) < 1e-5
+        mids.append(run.layer.mid_len)
+    # prefill leaves RECENT (6) full keys; decode lets them grow to RECENT + 1, then rolls one key per step
+    assert [b - a for a, b in zip(mids, mids[1:], strict=False)] == [0, 0, 1, 1, 1, 1], mids
+    layer = LeanKLayer(_keep(), SINK, RECENT, 1)
+    k = torch.randn(2, HKV, 12, D)
+    got_k, got_v = layer.update(k, k)
+    assert got_k is k and layer.starts.tolist() == [0, 0] and layer.length == 12
