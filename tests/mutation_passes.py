@@ -10,7 +10,9 @@ of module.py). Every pass starts from scratch, so a rerun after a test change me
 mutmut's own output goes to ``mutants/<pass>/mutmut.log``. Prints one line per pass (killed / timeout / survived / no tests / other) and writes
 ``mutants/<pass>/summary.json`` with the surviving mutants' names (``mutmut show NAME`` in that folder).
 Run: ``python tests/mutation_passes.py [PASS ...]`` (default: every pass), or ``make mutants [MODULE=rule]``;
-``--report`` only reads the folders again (a pass stopped part way counts its unrun mutants as not run).
+``--report`` only reads the folders again (a pass stopped part way counts its unrun mutants as not run);
+``--survivors`` reruns, on the tests as they are now, only the survivors of each pass's last run (the
+"after" of a test change: the mutants killed before stay killed, the survivors are tried again).
 Not a test module (not collected by pytest).
 """
 
@@ -101,6 +103,30 @@ def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
     return summarize(name, pyproject, env, run.returncode, round((time.monotonic() - start) / 60, 1))
 
 
+def rerun_survivors(name: str, pyproject: dict, max_children: int = 1) -> dict:
+    """Run again, on the tests as they are now, only the mutants pass ``name`` left alive (its summary.json);
+    its killed mutants stay killed. The stats (which test reaches which function) are collected afresh."""
+    folder = ROOT / "mutants" / name
+    earlier = json.loads((folder / "summary.json").read_text())
+    # the pass's current settings (its test selection may have grown), the stats collected afresh
+    text = _pyproject_text(ROOT / "pyproject.toml", pass_config(pyproject, name)[0])
+    for where in (folder, folder / "mutants"):  # mutmut reads the first, its test runs the copy in the second
+        (where / "pyproject.toml").write_text(text)
+    (folder / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    env = _env()
+    start = time.monotonic()
+    code = 0
+    if earlier["survived"]:
+        with open(folder / "mutmut-rerun.log", "w") as log:
+            code = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *earlier["survived"]],
+                                  cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    minutes = round((time.monotonic() - start) / 60, 1)
+    summary = summarize(name, pyproject, env, code, minutes)
+    summary["rerun_of"] = {"survived": earlier["survived"], "minutes": earlier.get("minutes")}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def summarize(name: str, pyproject: dict, env: dict | None = None, exit_code: int | None = None,
               minutes: float | None = None) -> dict:
     """Counts and survivors of pass ``name`` from its folder (also of a pass stopped part way:
@@ -131,15 +157,18 @@ def main(argv: list[str]) -> int:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     passes = list(pyproject["tool"]["leank-mutants"])
     report = "--report" in argv  # only read what earlier (maybe stopped) passes left in mutants/<pass>/
-    argv = [a for a in argv if a != "--report"]
+    survivors = "--survivors" in argv  # rerun only what an earlier complete pass left alive
+    argv = [a for a in argv if a not in ("--report", "--survivors")]
     chosen = argv or passes
     unknown = [p for p in chosen if p not in passes]
     if unknown:
         print(f"unknown pass {unknown}; passes: {passes}", file=sys.stderr)
         return 2
-    if report:
-        chosen = [p for p in chosen if (ROOT / "mutants" / p / "mutants").is_dir()]
-    rows = [summarize(p, pyproject) if report else run_pass(p, pyproject) for p in chosen]
+    if report or survivors:
+        chosen = [p for p in chosen if (ROOT / "mutants" / p / "summary.json" if survivors else
+                                        ROOT / "mutants" / p / "mutants").exists()]
+    run = rerun_survivors if survivors else run_pass
+    rows = [summarize(p, pyproject) if report else run(p, pyproject) for p in chosen]
     print("\n| pass | mutants | killed | timeout | survived | no tests | not run | other | minutes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

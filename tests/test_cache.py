@@ -372,3 +372,44 @@ def test_padding_the_positions_do_not_show_is_refused():
     layer.update(k, v, kwargs=kwargs)
     with pytest.raises(ValueError, match="position_ids"):
         leank_attention_forward(_Attn(), q, k, v, mask, scaling=D**-0.5, **kwargs)
+
+
+def test_bytes_count_an_empty_cache_as_nothing_and_sliding_layers_as_their_storage():
+    """A cache before any token holds 0 bytes; with Gemma 2's sliding layer 0 (the model's own cache layer)
+    its bytes are that layer's K/V storage plus the LeanK layer's formula."""
+    from conftest import tiny_model
+
+    from leank_infer import LeanKModel
+
+    model = tiny_model("gemma2")
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(6))
+    mask = ChannelMask.from_scores(scores, 0.5, 4, sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU,
+                                   dense_layers=(0,))
+    lk = LeanKModel(model, mask)
+    cache = lk.new_cache()
+    assert cache.nbytes() == 0
+    with torch.no_grad():
+        lk(torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7)), cache=cache)
+    sliding, pruned = cache.layers
+    assert cache.leank_layers == [1] and pruned.nbytes() > 0
+    held = sliding.keys.untyped_storage().nbytes() + sliding.values.untyped_storage().nbytes()
+    assert held > 0 and cache.nbytes() == held + pruned.nbytes()
+
+
+def test_an_accumulation_of_one_token_rolls_one_key_per_step(monkeypatch):
+    """accumu_size 1: every decode step past recent + 1 full keys moves exactly one key to the middle, and the
+    output stays the documented rule's. A layer updated without attention kwargs prefills as an unpadded batch."""
+    monkeypatch.setitem(globals(), "ACCUMU", 1)
+    run = _Run(_keep(), [25])
+    run.step(25)
+    mids = [run.layer.mid_len]
+    for _ in range(6):
+        out, _ = run.step(1)
+        assert _rel_err(out, run.reference()) < 1e-5
+        mids.append(run.layer.mid_len)
+    # prefill leaves RECENT (6) full keys; decode lets them grow to RECENT + 1, then rolls one key per step
+    assert [b - a for a, b in zip(mids, mids[1:], strict=False)] == [0, 0, 1, 1, 1, 1], mids
+    layer = LeanKLayer(_keep(), SINK, RECENT, 1)
+    k = torch.randn(2, HKV, 12, D)
+    got_k, got_v = layer.update(k, k)
+    assert got_k is k and layer.starts.tolist() == [0, 0] and layer.length == 12

@@ -149,3 +149,62 @@ def test_a_batch_answers_as_each_prompt_alone(tmp_path):
         for name, m in own.items():
             want = _decode(lm, m, inputs, 9 if i == 2 else 16)
             assert got[name][i] == want, (name, i)
+
+
+def test_retrieval_eval_rows_record_the_probe_and_its_own_prompt(tmp_path, monkeypatch):
+    """Each answer row names its probe (kind, length, prompt tokens, haystack, index, expected) next to each
+    method's text and verdict; the prompt is the probe's chat with its answer prefix opening the assistant turn,
+    answered by the evaluation's own model. A method given as an object keeps its name, an underscore included."""
+    from leank_train.evaluation import loop
+    from leank_train.evaluation.methods import Learned
+    from leank_train.evaluation.tasks import Probe, chat_ids
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    seen = []
+
+    def fake_answer_batch(lm_, methods, prompts, max_new_tokens):
+        seen.append((lm_, prompts))
+        return {"full": ["w7"] * len(prompts), "leank_r80": ["w8"] * len(prompts)}
+
+    monkeypatch.setattr(loop, "answer_batch", fake_answer_batch)
+    second = Learned("leank_r80", lm.mask)
+    module = RetrievalEval(lm, ["full", second], [100])
+    assert module.methods[1] is second
+    messages = [{"role": "user", "content": "w5 w4"}]
+    probe = Probe(messages, ["w7"], "niah_single_word", 100, answer_prefix="w9 w6", haystack="essay", index=3)
+    module.test_step([probe], 0)
+    prompt = chat_ids(lm.tokenizer, messages, "w9 w6")
+    assert prompt != chat_ids(lm.tokenizer, messages) and seen == [(lm, [prompt])]
+    assert module.answers == [{"kind": "niah_single_word", "length": 100, "tokens": len(prompt), "haystack": "essay",
+                               "index": 3, "expected": ["w7"], "full": "w7", "leank_r80": "w8",
+                               "correct": {"full": True, "leank_r80": False}}]
+    assert module.results() == {"full": {100: 1.0}, "leank_r80": {100: 0.0}}
+    with pytest.raises(ValueError, match="share a name: \\['leank', 'leank'\\]"):
+        RetrievalEval(lm, ["leank", Learned()], [100])
+
+
+def test_one_default_generation_budget():
+    """answer_with and RetrievalEval answer with evaluate's default budget when none is given."""
+    import inspect
+
+    budget = inspect.signature(evaluate).parameters["max_new_tokens"].default
+    assert inspect.signature(answer_with).parameters["max_new_tokens"].default == budget
+    assert inspect.signature(RetrievalEval).parameters["max_new_tokens"].default == budget
+
+
+def test_a_batch_answers_without_a_pad_token(tmp_path):
+    """A tokenizer without a pad token (Llama's) still batches: the left padding is id 0, never attended."""
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Full
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    lm.tokenizer.pad_token = None
+    assert lm.tokenizer.pad_token_id is None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 21)]
+    got = answer_batch(lm, [Full()], prompts, [6, 6])["full"]
+    for p, text in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        assert text == _decode(lm, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6)

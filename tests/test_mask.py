@@ -256,3 +256,26 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         random_mask().save_pretrained(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []  # neither the folder nor a temporary sibling is left
+
+
+def test_quantile_is_torch_quantiles_linear_interpolation():
+    """binarize's own quantile (no 16M-element limit) is torch.quantile's linear interpolation, ends included."""
+    from leank_infer.mask.binarize import _quantile
+
+    flat = torch.tensor([0.0, 1, 4, 9, 16, 25])
+    for q in (0.0, 0.1, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0):
+        torch.testing.assert_close(_quantile(flat, q), torch.quantile(flat, q), msg=f"q={q}")
+
+
+def test_binarize_edges_whole_heads_dense_layer_indices_and_messages():
+    """min_kept may be head_dim (each head keeps all or nothing); dense_layers index layers (3 of them here,
+    2 KV heads); every layer dense and non-finite scores are refused with their own messages."""
+    s = torch.rand(3, 2, 16, generator=torch.Generator().manual_seed(3))
+    whole = binarize(s, 0.5, 4, min_kept=16).sum(-1)
+    assert set(whole.flatten().tolist()) == {0, 16} and int(whole.sum()) == 48
+    keep = binarize(s, 0.5, 4, dense_layers=(2,))
+    assert bool(keep[2].all()) and torch.equal(keep[:2], binarize(s[:2], 0.5, 4))
+    with pytest.raises(MaskError, match=r"^every layer is a dense \(sliding-window\) layer: LeanK has no global layer to prune$"):
+        binarize(s, 0.5, 4, dense_layers=(0, 1, 2))
+    with pytest.raises(MaskError, match=r"^scores contain NaN or inf; cannot binarise$"):
+        binarize(s.clone().fill_(float("inf")), 0.5, 4)

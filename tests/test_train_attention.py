@@ -88,6 +88,15 @@ def test_ste_forward_is_binary_and_backward_reaches_alpha():
     assert dense[1:].sum() == 0.5 * dense[1:].numel() > binary_ste(high, 0.5, 4)[1:].sum()
 
 
+def test_ste_without_min_kept_is_the_plain_quantile_rule():
+    """binary_ste's default is the plain rule (min_kept 0): on scores 0..7 at ratio 0.3 the threshold is the
+    interpolated 0.3-quantile, 2.1, so channels 3..7 stay (5 of 8); any min_kept > 0 instead bisects for the
+    total nearest the budget 5.6 and keeps 6."""
+    alpha = torch.arange(8.0).view(1, 1, 8).requires_grad_(True)
+    assert binary_ste(alpha, 0.3, 1)[0, 0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert int(binary_ste(alpha, 0.3, 1, 1).sum()) == 6
+
+
 def test_stage2_step_uses_the_binary_mask_and_trains_alpha(tmp_path):
     from safetensors.torch import save_file
 

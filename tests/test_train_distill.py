@@ -112,8 +112,13 @@ def test_channels_that_carry_the_answer_survive_the_l1_pull():
 def test_the_loss_by_hand_label_tokens_only_and_l1_over_the_pruned_layers():
     """sample_distill is the mean over label tokens (not -100) of the per-token mean squared error of the
     last hidden states; the L1 is reg_weight * mean |alpha| over the layers LeanK prunes (not Gemma 2's
-    sliding layer 0); a batch without ``length`` is all full length; mismatched sizes are named."""
-    module = LeanKDistillation.for_model(tiny_model("gemma2"), reg_weight=0.25, **SIZES)
+    sliding layer 0; three layers and two KV heads, so a count of heads cannot pass for the count of layers);
+    a batch without ``length`` is all full length; each sample is scored on its own labels only (a batch of two
+    with different label masks is the mean of the two); mismatched sizes are named."""
+    layers = ["sliding_attention", "full_attention", "full_attention"]
+    model = tiny_model("gemma2", num_hidden_layers=3, layer_types=layers)
+    module = LeanKDistillation.for_model(model, reg_weight=0.25, **SIZES)
+    assert module.alpha.shape[:2] == (3, 2)
     with torch.no_grad():
         module.alpha.copy_(torch.rand(module.alpha.shape, generator=torch.Generator().manual_seed(4)))
         module.alpha[0] = 1.0  # the dense layer's alpha (unused) must not count in the L1
@@ -132,6 +137,10 @@ def test_the_loss_by_hand_label_tokens_only_and_l1_over_the_pruned_layers():
         distill, reg = module.losses(batch)
         torch.testing.assert_close(distill, per_token.mean())
         torch.testing.assert_close(reg, 0.25 * module.alpha[1:].abs().mean())
+        # two samples of the same tokens: the first labels its last 5 answer tokens, the second all 10
+        pair = {"input_ids": ids.repeat(2, 1), "context_len": torch.tensor([50, 50]),
+                "labels": torch.cat([torch.where(torch.arange(60) >= 55, ids, -100), batch["labels"]])}
+        torch.testing.assert_close(module.losses(pair)[0], (per_token[5:].mean() + per_token.mean()) / 2)
         with pytest.raises(ValueError, match="one entry per sample"):
             module.losses({**batch, "length": torch.tensor([60, 60])})
 

@@ -101,6 +101,18 @@ def test_checkpoints_hold_alpha_not_the_base_model(datamodule, tmp_path):
     assert list(ckpt["state_dict"]) == ["alpha"]
 
 
+def test_export_defaults_are_the_recipes_decode_sizes_and_nothing_is_exported_before_fit():
+    """An ExportMask configured with its folder only writes the recipe's default decode-time sizes."""
+    import dataclasses
+
+    from leank_train.recipe import Recipe
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    export = ExportMask(dirpath="unused")
+    assert (export.recent_size, export.accumu_size) == (defaults["decode_recent_size"], defaults["accumu_size"])
+    assert export.exported is None
+
+
 def test_export_writes_what_the_fit_did_on_rank_zero_only(tmp_path):
     """ExportMask at the end of fit, without a fit: the mask of alpha at the decode-time sizes, the training
     record (stage, steps, train recent size, mean of the last distillation losses), the embedded base model
