@@ -108,12 +108,16 @@ def test_paged_decode_equals_the_dense_rule(mid):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def batch_case(hkv=4, grp=2, d=32, bs=16, seed=3):
+def batch_case(hkv=4, grp=2, d=32, bs=16, seed=3, align=1):
     """Three requests of different lengths in one shuffled pool (one head keeps nothing): the batched
-    inputs and each request's dense-rule answer."""
+    inputs and each request's dense-rule answer. ``align``: kept channels per head are a multiple of it."""
     g = torch.Generator().manual_seed(seed)
     sink = 5
     keep = torch.rand(hkv, d, generator=g) < 0.3
+    if align > 1:
+        keep = torch.zeros(hkv, d, dtype=torch.bool)
+        for h in range(hkv):
+            keep[h, torch.randperm(d, generator=g)[: align * (1 + h % (d // align))]] = True
     keep[1] = False
     layout = PackedLayout.from_keep(keep)
     lengths, mid_ends = [150, 61, 40], [100, 45, 5]  # the last one has no middle key at all
@@ -154,11 +158,12 @@ def test_paged_decode_batch_equals_each_request_alone():
 
 @pytest.mark.parametrize(
     "shape",
-    [dict(), dict(hkv=3, grp=3, d=64, bs=128), dict(grp=9, d=32), dict(d=24, bs=8)],
-    ids=["g2-d32", "smollm2-shape", "generic-group", "generic-dim"],
+    [dict(), dict(hkv=3, grp=3, d=64, bs=128, align=16), dict(align=8), dict(grp=9, d=32), dict(d=24, bs=8)],
+    ids=["g2-d32", "smollm2-shape-aligned", "g2-aligned", "generic-group", "generic-dim"],
 )
 def test_cpu_kernel_equals_the_torch_path_and_the_rule(shape):
-    """The fused C kernel (vectorised paths for D % 16 == 0 and G <= 8, a plain loop otherwise) against the
+    """The fused C kernel (vectorised paths for D % 16 == 0, kept channels % 8 == 0 and G <= 8, plain loops
+    otherwise) against the
     PyTorch batch path and the dense rule, on the same shuffled pool."""
     from leank_infer.vllm import cpu_kernel
     from leank_infer.vllm.paged_decode import paged_decode_batch

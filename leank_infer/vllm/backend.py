@@ -161,12 +161,16 @@ class LeanKAttentionMixin:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
-        keep = slots >= 0  # padding tokens carry slot -1
-        rows = self._on(key.device).pack(
-            key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1)
+        rows = (
+            self._on(key.device)
+            .pack(key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1))
+            .to(kv_cache.dtype)
         )
         pages = self._pages(kv_cache)
-        pages.index_copy_(0, slots[keep], rows[keep].to(pages.dtype))
+        if n and int(slots.min()) < 0:  # padding tokens carry slot -1 (a boolean select costs ~0.5 ms on CPU)
+            keep = slots >= 0
+            slots, rows = slots[keep], rows[keep]
+        pages.index_copy_(0, slots, rows)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         # [num_blocks, 1, block_size, width] -> one row per slot (a view: writes land in vLLM's pool)

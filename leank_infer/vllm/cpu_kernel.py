@@ -72,6 +72,21 @@ typedef float v8 __attribute__((vector_size(32), aligned(4))); /* 8 floats, unal
     }
 VACC(1) VACC(2) VACC(3) VACC(4) VACC(5) VACC(6) VACC(7) VACC(8)
 
+/* s[g * TILE] = q_g . k over nk kept channels (nk % 8 == 0) for the G query heads of one KV head:
+   each 8-channel piece of the key is loaded once for all G. */
+#define KDOT(GG)                                                                                       \
+    static void kdot_##GG(int64_t nk, int64_t D, const float *q, const float *k, float *s) {           \
+        v8 z[GG];                                                                                      \
+        for (int g = 0; g < GG; g++) z[g] = (v8){0};                                                   \
+        for (int64_t c = 0; c < nk; c += 8) {                                                          \
+            const v8 kv = *(const v8 *)(k + c);                                                        \
+            for (int g = 0; g < GG; g++) z[g] += *(const v8 *)(q + g * D + c) * kv;                    \
+        }                                                                                              \
+        for (int g = 0; g < GG; g++)                                                                   \
+            s[g * TILE] = z[g][0] + z[g][1] + z[g][2] + z[g][3] + z[g][4] + z[g][5] + z[g][6] + z[g][7]; \
+    }
+KDOT(1) KDOT(2) KDOT(3) KDOT(4) KDOT(5) KDOT(6) KDOT(7) KDOT(8)
+
 /* Online softmax over a tile of n keys for the query heads qh with live[qh]: scores s[qh * TILE + t],
    values vrows[h * TILE + t] (h = qh / G) folded into max m, sum l and accumulator acc[qh * D ...]. */
 static void fold(int64_t Hq, int64_t G, int64_t D, int64_t n, const char *live, float *s,
@@ -176,6 +191,21 @@ int leank_paged_decode_f32(
                     if (v_col[h] < 0) continue;
                     const int64_t c0 = k_off[h], nkh = k_off[h + 1] - c0;
                     vrows[h * TILE + t] = row + v_col[h];
+                    if (nkh % 8 == 0 && G <= 8) {
+                        const float *qh = qk + h * G * D, *k = row + c0;
+                        float *sh = s + h * G * TILE + t;
+                        switch (G) {
+                            case 1: kdot_1(nkh, D, qh, k, sh); break;
+                            case 2: kdot_2(nkh, D, qh, k, sh); break;
+                            case 3: kdot_3(nkh, D, qh, k, sh); break;
+                            case 4: kdot_4(nkh, D, qh, k, sh); break;
+                            case 5: kdot_5(nkh, D, qh, k, sh); break;
+                            case 6: kdot_6(nkh, D, qh, k, sh); break;
+                            case 7: kdot_7(nkh, D, qh, k, sh); break;
+                            default: kdot_8(nkh, D, qh, k, sh); break;
+                        }
+                        continue;
+                    }
                     for (int64_t g = 0; g < G; g++) {
                         const float *qq = qk + (h * G + g) * D, *k = row + c0;
                         float dot = 0.f;

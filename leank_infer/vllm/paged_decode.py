@@ -6,8 +6,10 @@ read from the packed page rows (:class:`~leank_infer.vllm.layout.PackedLayout`) 
 table. :func:`paged_decode_batch` does every decode request of a step at once: one gather of the
 middle's pages of all requests (padded to the longest, masked per request), one batched product
 of the packed K part with a block-diagonal query (each KV head's kept channels against its query
-heads), one softmax over both parts, and one batched product per KV head with a middle V. The op
-count per layer does not grow with the batch (a loop over requests cost ~20 small ops each).
+heads), one softmax over both parts, and one batched product per KV head with a middle V: the op
+count per layer does not grow with the batch. At long contexts its cost is the three passes over the
+middle's rows (gather, K product, V product), not Python; for fp32 on CPU the backend uses the fused
+kernel of :mod:`~leank_infer.vllm.cpu_kernel` (one pass), and this path is its reference.
 """
 
 from __future__ import annotations
