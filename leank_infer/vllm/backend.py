@@ -13,8 +13,9 @@ is vLLM's own attention, unchanged. With one, each full-attention layer:
   store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
 - decode: the LeanK rule (:func:`leank_infer.decode.rule.recent_from`, the core's rule): sink and recent keys
   with every channel from the side store, middle keys with the kept channels read from the packed
-  pages through the block table (:mod:`~leank_infer.vllm.paged_decode`; on CUDA tensors the Triton
-  kernel :mod:`~leank_infer.vllm.triton_paged`).
+  pages through the block table, every decode request of a step in one call per layer (fp32 on
+  CPU: the fused kernel :mod:`~leank_infer.vllm.cpu_kernel`; else :mod:`~leank_infer.vllm.paged_decode`;
+  on CUDA tensors the Triton kernel :mod:`~leank_infer.vllm.triton_paged`, per request).
 
 Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
 prefilled in one step, as the HF path does), tensor parallelism, quantised KV cache. A request
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
@@ -38,8 +40,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..decode.rule import recent_from
 from ..mask import ChannelMask, MaskError
+from . import cpu_kernel
 from .layout import PackedLayout
-from .paged_decode import paged_decode
+from .paged_decode import paged_decode_batch
 from .settings import load_checked_mask, settings_from
 from .triton_paged import triton_paged_decode
 
@@ -95,9 +98,16 @@ class LeanKAttentionMixin:
         self.layer_index: int | None = None
         self.states: OrderedDict[int, _RequestState] = OrderedDict()
         self.step = 0
+        self.kernel_tensors: tuple[torch.Tensor, ...] | None = (
+            None  # the fused CPU kernel's view of the layout
+        )
         config = get_current_vllm_config()
         settings = settings_from(getattr(config, "additional_config", None))
-        if settings is None or self.attn_type != AttentionType.DECODER or self.sliding_window not in _NO_WINDOW:
+        if (
+            settings is None
+            or self.attn_type != AttentionType.DECODER
+            or self.sliding_window not in _NO_WINDOW
+        ):
             return  # not a LeanK layer: vLLM's own attention
         check_engine(config)
         self.check_platform(config)
@@ -151,12 +161,16 @@ class LeanKAttentionMixin:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
-        keep = slots >= 0  # padding tokens carry slot -1
-        rows = self._on(key.device).pack(
-            key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1)
+        rows = (
+            self._on(key.device)
+            .pack(key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1))
+            .to(kv_cache.dtype)
         )
         pages = self._pages(kv_cache)
-        pages.index_copy_(0, slots[keep], rows[keep].to(pages.dtype))
+        if n and int(slots.min()) < 0:  # padding tokens carry slot -1 (a boolean select costs ~0.5 ms on CPU)
+            keep = slots >= 0
+            slots, rows = slots[keep], rows[keep]
+        pages.index_copy_(0, slots, rows)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         # [num_blocks, 1, block_size, width] -> one row per slot (a view: writes land in vLLM's pool)
@@ -195,6 +209,9 @@ class LeanKAttentionMixin:
         pages = self._pages(kv_cache)
         block_size = kv_cache.shape[2]
         self.step += 1
+        decodes: list[
+            tuple[int, int, int, int]
+        ] = []  # (request index, token index, request id, cached tokens)
         for i in range(len(seq_lens)):
             s, e = starts[i], starts[i + 1]
             if e <= s:
@@ -204,16 +221,18 @@ class LeanKAttentionMixin:
             rid = int(attn_metadata.block_table[i, 0])
             if context == 0:
                 out[s:e] = self._prefill(rid, q[s:e], k[s:e], v[s:e])
+                self.states[rid].seen = self.step
             elif q_len == 1:
-                out[s] = self._decode(
-                    rid, context, q[s], k[s], v[s], pages, attn_metadata.block_table[i], block_size
-                )
+                decodes.append((i, s, rid, context))
             else:
                 raise RuntimeError(
                     f"LeanK got {q_len} new tokens after {context} cached ones (chunked prefill, prefix caching "
                     "or speculative decoding): not supported, the engine should have refused them at start-up"
                 )
-            self.states[rid].seen = self.step
+        if decodes:
+            self._decode(
+                decodes, q, k, v, out, pages.view(-1, block_size, pages.shape[-1]), attn_metadata.block_table
+            )
         self._forget_finished()
         return output
 
@@ -257,18 +276,11 @@ class LeanKAttentionMixin:
             self.states.popitem(last=False)
         return o[0].transpose(0, 1)
 
-    def _decode(
-        self,
-        rid: int,
-        length: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        pages: torch.Tensor,
-        block_row: torch.Tensor,
-        block_size: int,
-    ) -> torch.Tensor:
-        """One new token at position ``length`` with the LeanK rule over ``length`` cached keys."""
+    def _advance(
+        self, rid: int, length: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Add one token at position ``length`` to a request's side store; its full-channel K/V
+        ``[nf, Hkv, D]`` and where its middle ends (the rule's ``recent_from`` over ``length`` cached keys)."""
         st = self.states.get(rid)
         if st is None or st.length != length:
             raise RuntimeError(
@@ -276,6 +288,7 @@ class LeanKAttentionMixin:
                 "more requests alive than max_num_seqs allows for, or a preemption the backend did not see"
             )
         self.states.move_to_end(rid)
+        st.seen = self.step
         mask = self.mask
         r = recent_from(st.prefill_len, length, mask.recent_size, mask.accumu_size)
         start = max(st.head_k.shape[0], r)
@@ -287,11 +300,59 @@ class LeanKAttentionMixin:
         else:
             st.tail_k, st.tail_v = torch.cat([st.tail_k, k[None]]), torch.cat([st.tail_v, v[None]])
         st.length = length + 1
-        full_k = torch.cat([st.head_k, st.tail_k])  # [nf, Hkv, D]
-        full_v = torch.cat([st.head_v, st.tail_v])
-        pages3 = pages.view(-1, block_size, pages.shape[-1])
-        decode = triton_paged_decode if q.is_cuda else paged_decode
-        return decode(q, full_k, full_v, pages3, block_row, mask.sink_size, r, self._on(q.device), self.scale)
+        return torch.cat([st.head_k, st.tail_k]), torch.cat([st.head_v, st.tail_v]), r
+
+    def _decode(
+        self,
+        decodes: list[tuple[int, int, int, int]],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        pages: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> None:
+        """Every decode request of the step (one new token each) with the LeanK rule, written into ``out``.
+
+        On CPU one batched call per layer: the fused C kernel for fp32 (:mod:`~leank_infer.vllm.cpu_kernel`),
+        else :func:`~leank_infer.vllm.paged_decode.paged_decode_batch`; on CUDA the Triton kernel per request.
+        """
+        parts = [self._advance(rid, length, k[t], v[t]) for _, t, rid, length in decodes]
+        layout = self._on(q.device)
+        sink = self.mask.sink_size
+        if q.is_cuda:
+            for (i, t, _, _), (full_k, full_v, r) in zip(decodes, parts, strict=True):
+                out[t] = triton_paged_decode(
+                    q[t], full_k, full_v, pages, block_table[i], sink, r, layout, self.scale
+                )
+            return
+        reqs = [i for i, _, _, _ in decodes]
+        toks = [t for _, t, _, _ in decodes]
+        b = len(decodes)
+        # a pure decode step (the common case) takes views: requests 0..B-1, tokens t0..t0+B-1
+        rows = block_table[:b] if reqs == list(range(b)) else block_table[torch.tensor(reqs, device=q.device)]
+        tok = slice(toks[0], toks[0] + b) if toks == list(range(toks[0], toks[0] + b)) else torch.tensor(toks)
+        full_k = pad_sequence([p[0] for p in parts], batch_first=True)
+        full_v = pad_sequence([p[1] for p in parts], batch_first=True)
+        full_len = torch.tensor([p[0].shape[0] for p in parts], device=q.device)
+        args = (
+            q[tok],
+            full_k,
+            full_v,
+            full_len,
+            pages,
+            rows,
+            sink,
+            [p[2] for p in parts],
+            layout,
+            self.scale,
+        )
+        if q.dtype == torch.float32 and cpu_kernel.available():  # one fused pass over the packed rows
+            if self.kernel_tensors is None:
+                self.kernel_tensors = cpu_kernel.kernel_tensors(layout)
+            out[tok] = cpu_kernel.cpu_paged_decode_batch(*args, tensors=self.kernel_tensors)
+        else:
+            out[tok] = paged_decode_batch(*args)
 
     def states_nbytes(self) -> int:
         """Bytes of the side store of this layer right now (full-channel sink and recent K/V)."""

@@ -81,9 +81,18 @@ class PackedLayout:
         """KV heads whose V a page row stores, in row order."""
         return (self.v_index[:: self.head_dim] // self.head_dim).tolist()
 
-    @property
+    @cached_property
     def head_has_middle(self) -> torch.Tensor:
         """``[kv_heads]`` bool: heads that attend to middle keys (those keeping any channel)."""
         heads = torch.zeros(self.num_kv_heads, dtype=torch.bool, device=self.v_index.device)
         heads[self.v_index // self.head_dim] = True
         return heads
+
+    @cached_property
+    def _k_head_onehot(self) -> torch.Tensor:
+        heads = self.k_index // self.head_dim
+        return torch.nn.functional.one_hot(heads, self.num_kv_heads).float()[:, :, None]
+
+    def k_head_onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[nk, kv_heads, 1]``: 1 where packed K channel j belongs to KV head h (built once per layout)."""
+        return self._k_head_onehot.to(dtype)
