@@ -5,25 +5,29 @@
 then decoded by the full model, each learned mask (``leank-r70``: the mask of ratio 0.7) and, per mask,
 random and ThinK channels at its K budget (``random-r70``, ``think-r70``), so all of them are paired with
 the full model on the same probes. Prints the suite table (``leank_train.evaluation.report``), and the
-time taken.
+time taken. ``--card`` rewrites each mask's model card with its own rows (the full model, the mask as
+``leank``, and the baselines at its budget as ``random`` and ``think``), this command next to them.
 
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
-        --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json]
+        --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json] [--card]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from leank_infer import ChannelMask, LeanKModel
+from leank_infer.hub.card import write_model_card
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
-from leank_train.evaluation.report import format_table
+from leank_train.evaluation.report import card_results, format_table, renamed
 from leank_train.evaluation.settings import TASK_NAMES
 
 
@@ -37,14 +41,17 @@ def main() -> None:
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
     args = p.parse_args()
+    cmd = shlex.join(["python", "benchmarks/eval_masks.py", *sys.argv[1:]])
     torch.set_num_threads(args.threads)
     lm = LeanKModel.from_pretrained(args.masks[0])
-    methods = [Full()]
+    methods, tags = [Full()], []
     for path in args.masks:
         mask = ChannelMask.from_pretrained(path)
         mask.validate(lm.model.config)
         tag = f"r{round(mask.ratio * 100)}"
+        tags.append(tag)
         methods.append(Learned(f"leank-{tag}", mask))
         if not args.no_baselines:
             methods += [RandomChannels(f"random-{tag}", like=mask), ThinK(f"think-{tag}", like=mask)]
@@ -52,11 +59,17 @@ def main() -> None:
     res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
     took = time.perf_counter() - start
     probes = len(res["answers"])
+    print(f"`{cmd}`\n")
     print(format_table(res))
     print(f"\n{probes} probes, {len(methods)} methods, {took / 60:.1f} min wall ({probes / took:.3f} probes/s), "
           f"{torch.get_num_threads()} torch threads")
     if args.json:
-        args.json.write_text(json.dumps({"seconds": took, **res}, indent=1, default=str))
+        args.json.write_text(json.dumps({"command": cmd, "seconds": took, **res}, indent=1, default=str))
+    if args.card:
+        for path, tag in zip(args.masks, tags, strict=True):
+            names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
+            write_model_card(path, card_results(renamed(res, names), cmd))
+            print(f"card: {path}")
 
 
 if __name__ == "__main__":

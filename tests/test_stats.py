@@ -86,3 +86,21 @@ def test_card_model_index_has_one_result_per_task_length_and_method(tmp_path):
     table = format_table(res)
     assert "| a | leank | 4/5 0.80 [0.38, 0.96] -1/+0 | 4/5 0.80 [0.38, 0.96] -1/+0 |" in table
     assert "headline tasks at 100 tokens (1): a" in table
+
+
+def test_renamed_gives_one_mask_its_own_methods_and_pairs_them_with_the_full_model():
+    """One pass, two masks with baselines: each card gets full/leank/random/think summarized on its own."""
+    from leank_train.evaluation.report import renamed
+
+    rows = [{"kind": "a", "length": 100, "index": i, "leank-r70": "x", "leank-r80": "y",
+             "correct": {"full": True, "leank-r70": True, "leank-r80": i > 1, "random-r80": False}}
+            for i in range(5)]
+    methods = ["full", "leank-r70", "leank-r80", "random-r80"]
+    res = {"methods": methods, "lengths": [100], "answers": rows, **summarize(rows, methods, [100], ["a"])}
+    r80 = renamed(res, {"full": "full", "leank-r80": "leank", "random-r80": "random", "think-r80": "think"})
+    assert r80["methods"] == ["full", "leank", "random"]  # think-r80 never answered: left out
+    assert r80["tasks"]["a"]["leank"][100]["correct"] == 3
+    assert r80["tasks"]["a"]["leank"][100]["paired"]["only_full"] == 2
+    assert r80["tasks"]["a"]["random"][100]["correct"] == 0
+    assert r80["headline"][100]["leank"]["score"] == 0.6
+    assert r80["answers"][0]["leank"] == "y" and "leank-r70" not in r80["answers"][0]

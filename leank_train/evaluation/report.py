@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .stats import summarize
+
 
 def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
     """Evaluation results in the shape ``leank_infer.hub.card.build_card`` puts in the model index.
@@ -48,6 +50,23 @@ def card_results(results: dict[str, Any], command: str) -> list[dict[str, Any]]:
                      "metric": "next-token KL (nats)",
                      "metric_type": "kl_divergence", "value": results["next_token_kl"], "command": command})
     return rows
+
+
+def renamed(results: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The suite results of some methods under other names, summarized afresh on the same probes.
+
+    One pass can answer with several masks and their baselines (``leank-r80``, ``random-r80``, ...); each
+    mask's card wants the full model, its mask and its baselines as ``full``, ``leank``, ``random``,
+    ``think``. ``names`` maps old method names to new ones; the paired counts are against ``full``.
+    """
+    methods = [new for old, new in names.items() if old in results["methods"]]
+    answers = [{**{k: v for k, v in r.items() if k not in results["methods"] and k != "correct"},
+                **{new: r[old] for old, new in names.items() if old in r},
+                "correct": {new: r["correct"][old] for old, new in names.items() if old in r["correct"]}}
+               for r in results["answers"]]
+    lengths = [int(n) for n in results["lengths"]]
+    return {"methods": methods, "lengths": lengths, "answers": answers,
+            **summarize(answers, methods, lengths, list(results["tasks"]))}
 
 
 def _cell_text(c: dict[str, Any]) -> str:

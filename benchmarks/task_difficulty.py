@@ -1,0 +1,72 @@
+"""The full model alone on variants of the suite's tasks (how many distractors, values, hops, ...): what the
+task defaults in ``leank_train.evaluation.tasks`` were chosen from, on a development seed (7), never on the
+report seed (1234). A variant is ``task:param=value`` and answers under the name ``task[param=value]``.
+
+    python benchmarks/task_difficulty.py niah_multikey:distractors=1 niah_multivalue:values=2 \
+        variable_tracking:hops=1 common_words:top=3 frequent_words:alpha=3 --lengths 1024 --samples 8 --seed 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from leank_infer import LeanKModel
+from leank_train.evaluation import tasks as suite
+from leank_train.evaluation.loop import evaluate
+from leank_train.evaluation.methods import Full
+
+
+def variant(spec: str) -> str:
+    """Register task ``spec`` (``name`` or ``name:param=value,...``) in the suite; return its name there."""
+    name, _, params = spec.partition(":")
+    if name not in suite.TASKS:
+        raise SystemExit(f"unknown task {name!r}; choose from {', '.join(suite.TASKS)}")
+    if not params:
+        return name
+    task = copy.copy(suite.TASKS[name])
+    for item in params.split(","):
+        key, _, value = item.partition("=")
+        if not hasattr(task, key):
+            raise SystemExit(f"task {name!r} has no parameter {key!r}")
+        setattr(task, key, type(getattr(task, key))(value))
+    if hasattr(task, "top"):  # common words: the generation budget follows the word count
+        task.max_new_tokens = 6 * task.top + 8
+    task.name = f"{name}[{params}]"
+    suite.TASKS[task.name] = task
+    return task.name
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("variants", nargs="+")
+    p.add_argument("--mask", default="hub/smollm2-135m-instruct", help="any mask of the base model (unused)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    names = [variant(v) for v in args.variants]
+    lm = LeanKModel.from_pretrained(args.mask)
+    start = time.perf_counter()
+    res = evaluate(lm, args.lengths, args.samples, methods=[Full()], seed=args.seed, kl=False, tasks=names)
+    took = time.perf_counter() - start
+    print("| task | " + " | ".join(f"{n} tok" for n in args.lengths) + " |")
+    print("|---|" + "---|" * len(args.lengths))
+    for name in names:
+        cells = res["tasks"][name]["full"]
+        print(f"| {name} | " + " | ".join(f"{cells[n]['correct']}/{cells[n]['n']}" for n in args.lengths) + " |")
+    print(f"\n{len(res['answers'])} probes, full model, {took / 60:.1f} min wall, seed {args.seed}")
+    if args.json:
+        args.json.write_text(json.dumps({"seconds": took, **res}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
