@@ -208,3 +208,20 @@ def test_a_batch_answers_without_a_pad_token(tmp_path):
     for p, text in zip(prompts, got, strict=True):
         ids = torch.tensor([p])
         assert text == _decode(lm, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6)
+
+
+def test_random_mask_keeps_each_heads_count_and_is_the_random_methods_default():
+    """random_mask_like keeps per head exactly the learned mask's count, at other channels, one draw per seed;
+    the "random" method with its default seed decodes with random_mask_like's default draw."""
+    from types import SimpleNamespace
+
+    from leank_train.evaluation.methods import RandomChannels
+
+    scores = torch.rand(3, 2, 16, generator=torch.Generator().manual_seed(8))
+    mask = ChannelMask.from_scores(scores, 0.6, 4, sink_size=4, recent_size=8, accumu_size=4)
+    assert len(set(mask.kept_counts.flatten().tolist())) > 1  # heads keep different counts
+    rnd = random_mask_like(mask)
+    assert torch.equal(rnd.kept_counts, mask.kept_counts) and not torch.equal(rnd.keep, mask.keep)
+    assert torch.equal(random_mask_like(mask, seed=0).keep, rnd.keep)
+    assert not torch.equal(random_mask_like(mask, seed=1).keep, rnd.keep)
+    assert torch.equal(RandomChannels().mask(SimpleNamespace(mask=mask), None, 0).keep, rnd.keep)

@@ -627,3 +627,15 @@ def test_a_malicious_last_ckpt_stops_leank_run_in_one_line(tmp_path, capsys):
     last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after Lightning's INFO lines
     assert code == 2 and last_line.startswith(f"leank run: error: checkpoint {last} holds more than tensors")
     assert not marker.exists() and not (tmp_path / "r" / "stage1").exists()
+
+
+def test_export_card_names_the_target_folder_and_keeps_the_results(tmp_path):
+    """The card's usage snippet loads the folder by its final path (not the temporary sibling it was built
+    in), and the evaluation rows given go to eval.json and the card."""
+    from leank_train.export import write_mask_repo
+
+    rows = [{"dataset": "needle-1k", "value": 0.5}]
+    repo = write_mask_repo(random_mask(seed=1), tmp_path / "repo", eval_results=rows)
+    card = (repo / "README.md").read_text()
+    assert str(tmp_path / "repo") + '"' in card or str(tmp_path / "repo") + "'" in card, card
+    assert json.loads((repo / "eval.json").read_text())["results"] == rows and "needle-1k" in card
