@@ -222,6 +222,7 @@ def test_random_mask_keeps_each_heads_count_and_is_the_random_methods_default():
     assert len(set(mask.kept_counts.flatten().tolist())) > 1  # heads keep different counts
     rnd = random_mask_like(mask)
     assert torch.equal(rnd.kept_counts, mask.kept_counts) and not torch.equal(rnd.keep, mask.keep)
+    assert mask.scores is not None and rnd.scores is None  # the learned scores do not describe a random draw
     assert torch.equal(random_mask_like(mask, seed=0).keep, rnd.keep)
     assert not torch.equal(random_mask_like(mask, seed=1).keep, rnd.keep)
     assert torch.equal(RandomChannels().mask(SimpleNamespace(mask=mask), None, 0).keep, rnd.keep)
