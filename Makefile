@@ -100,6 +100,7 @@ sweep: $(STAMP)
 # that cover each change; one pass per module, each with its own narrow tests ([tool.leank-mutants.*] in
 # pyproject.toml), in mutants/<pass>/. Prints killed/timeout/survived/no-tests per pass and the survivors.
 # MODULE runs some passes only: make mutants MODULE=rule (rule loss export eval binarize cache).
+# After a test change, `python tests/mutation_passes.py --survivors PASS` reruns only that pass's survivors.
 MODULE ?=
 mutants: $(STAMP)
 	$(PY) tests/mutation_passes.py $(MODULE)

@@ -184,13 +184,21 @@ def test_retrieval_eval_rows_record_the_probe_and_its_own_prompt(tmp_path, monke
         RetrievalEval(lm, ["leank", Learned()], [100])
 
 
-def test_one_default_generation_budget():
+def test_one_default_generation_budget(tmp_path, monkeypatch):
     """answer_with and RetrievalEval answer with evaluate's default budget when none is given."""
     import inspect
 
+    from leank_train.evaluation import loop
+
     budget = inspect.signature(evaluate).parameters["max_new_tokens"].default
-    assert inspect.signature(answer_with).parameters["max_new_tokens"].default == budget
-    assert inspect.signature(RetrievalEval).parameters["max_new_tokens"].default == budget
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    asked = []
+    monkeypatch.setattr(loop, "answer_batch", lambda lm_, methods, prompts, max_new_tokens:
+                        asked.append(list(max_new_tokens)) or {m.name: [""] for m in methods})
+    answer_with(lm, "full", {"input_ids": torch.tensor([[5, 6, 7]])})
+    assert asked == [[budget]]
+    assert RetrievalEval(lm, ["full"], [100]).max_new_tokens == budget
 
 
 def test_a_batch_answers_without_a_pad_token(tmp_path):

@@ -281,10 +281,12 @@ def test_binarize_edges_whole_heads_dense_layer_indices_and_messages():
         binarize(s.clone().fill_(float("inf")), 0.5, 4)
 
 
-@pytest.mark.parametrize(("ratio", "kept"), [(0.3, 6), (0.45, 4), (0.4375, 4), (0.0, 7)])
-def test_min_kept_takes_the_total_nearest_the_budget(ratio, kept):
-    """min_kept > 0: the threshold (a score) whose kept total is nearest (1 - ratio) * channels; scores 0..7,
-    one head: budget 5.6 keeps 6 (not 5), 4.4 keeps 4, a tie (4.5 between 4 and 5) the fewer, 8 all but the lowest."""
-    s = torch.arange(8.0).view(1, 1, 8)
+@pytest.mark.parametrize(("n", "ratio", "kept"), [(8, 0.3, 6), (8, 0.45, 4), (8, 0.4375, 4), (8, 0.0, 7), (8, 0.175, 7),
+                                                (4, 0.9, 0)])
+def test_min_kept_takes_the_total_nearest_the_budget(n, ratio, kept):
+    """min_kept > 0: the threshold (a score) whose kept total is nearest (1 - ratio) * channels; scores 0..n-1,
+    one head: budget 5.6 keeps 6 (not 5), 4.4 keeps 4, a tie (4.5 between 4 and 5) the fewer, 8 all but the
+    lowest, 6.6 keeps 7 (the first threshold's total), 0.4 of 4 channels keeps none (the last threshold's)."""
+    s = torch.arange(float(n)).view(1, 1, n)
     keep = binarize(s, ratio, 1, min_kept=1)[0, 0]
-    assert keep.tolist() == [False] * (8 - kept) + [True] * kept
+    assert keep.tolist() == [False] * (n - kept) + [True] * kept
