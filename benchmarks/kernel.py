@@ -92,6 +92,7 @@ def build_inputs(
 ):
     """(dense q/k/v/padding, decode contract args ``(query, layout, masks, scaling)``) over one random cache;
     rows may start late (left padding)."""
+    from leank_infer.decode.cache import mid_capacity, middle_k_storage
     from leank_infer.decode.layout import ChannelGroups, DecodeLayout, DecodeMasks
 
     dev = torch.device(device)
@@ -104,11 +105,12 @@ def build_inputs(
     p = cfg.parts()
     h = min(cfg.seq_len, int(starts_t.max()) + p["head"])
     m = cfg.seq_len - p["tail"]
-    mid_k = [  # channel-major storage seen as [B, Hg, n, c], as the LeanK cache stores it
-        k[:, heads, h:m].gather(-1, ch.view(1, len(heads), 1, -1).expand(b, -1, m - h, -1))
-        .transpose(2, 3).contiguous().transpose(2, 3)
-        for heads, ch in zip(groups.heads, groups.channels, strict=True)
-    ]
+    cap = mid_capacity(m - h)
+    mid_k = []  # channel-major storage [B, Hg, c, cap] seen as [B, Hg, n, c], as the LeanK cache stores it
+    for heads, ch in zip(groups.heads, groups.channels, strict=True):
+        buf = middle_k_storage(k, b, len(heads), cap, ch.shape[-1])[:, :, : m - h]
+        buf.copy_(k[:, heads, h:m].gather(-1, ch.view(1, len(heads), 1, -1).expand(b, -1, m - h, -1)))
+        mid_k.append(buf)
     mid_v = v[:, groups.nonzero_order, h:m].contiguous()
     j = torch.arange(h, device=dev)
     s = starts_t.view(-1, 1)

@@ -209,6 +209,10 @@ def test_real_cache_layer_layout():
     for _ in range(6):
         layer.update(torch.randn(b, hkv, 1, d, generator=gen).half(), torch.randn(b, hkv, 1, d, generator=gen).half())
     assert layer.mid_k[0].stride(1) != layer.mid_len * layer.mid_k[0].shape[-1]  # spare capacity: not compact
+    for mk in layer.mid_k:  # the kernel reads channel-major K up to the capacity: spare slots must not leak in
+        cap = mk.stride(1) // mk.shape[-1]
+        assert cap % 16 == 0 and cap > layer.mid_len
+        torch.as_strided(mk, (*mk.shape[:2], cap, mk.shape[-1]), mk.stride())[:, :, layer.mid_len :] = float("nan")
     q = torch.randn(b, hkv * g, 1, d, generator=gen).half()
     run_and_check((q, layer.layout(), layer.decode_masks(None, 1), d**-0.5), block_n=16)
 

@@ -48,6 +48,12 @@ from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
 from .rule import decode_recent_from, prefill_recent_from
 
 MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
+MID_ALIGN = 16  # middle capacity is a multiple of this: the GPU kernel then moves channel-major K as full vectors
+
+
+def mid_capacity(n: int) -> int:
+    """Slots to allocate for ``n`` middle tokens: ``n`` rounded up to :data:`MID_ALIGN`."""
+    return -(-n // MID_ALIGN) * MID_ALIGN
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -64,12 +70,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 def _grow(buf: torch.Tensor, used: int, cap: int) -> torch.Tensor:
     """A buffer like ``buf`` (same memory order) with capacity ``cap`` on axis 2, its first ``used`` slots copied."""
     b, h, _, c = buf.shape
-    out = _middle_k(buf, b, h, cap, c) if _channel_major(buf) else buf.new_empty(b, h, cap, c)
+    out = middle_k_storage(buf, b, h, cap, c) if _channel_major(buf) else buf.new_empty(b, h, cap, c)
     out[:, :, :used] = buf[:, :, :used]
     return out
 
 
-def _middle_k(like: torch.Tensor, b: int, h: int, cap: int, c: int) -> torch.Tensor:
+def middle_k_storage(like: torch.Tensor, b: int, h: int, cap: int, c: int) -> torch.Tensor:
     """Storage of one group's middle K: channel-major ``[B, Hg, c, cap]`` seen as ``[B, Hg, cap, c]``.
 
     Keys run along memory for each kept channel, so the decode's score product reads a ``[c, n]``
@@ -305,8 +311,9 @@ class LeanKLayer(CacheLayerMixin):
         self._full_v[:, :, h : h + t - m] = v[:, :, m:]
         self.head_len, self.tail_len = h, t - m
         n = m - h
-        self._mid_k = [_middle_k(k, b, len(hs), n, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
-        self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), n, v.shape[-1])
+        mc = mid_capacity(n)
+        self._mid_k = [middle_k_storage(k, b, len(hs), mc, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
+        self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), mc, v.shape[-1])
         self.mid_len = 0
         self._write_middle(k[:, :, h:m], v[:, :, h:m])
         self.length = t
@@ -320,7 +327,8 @@ class LeanKLayer(CacheLayerMixin):
         end = self.mid_len + n
         cap = self._mid_v.shape[2]
         if end > cap:
-            cap = max(end, cap + max(MID_CHUNK, self.accumu_size))
+            # the first write (an empty middle: a short prompt, or dense_until's switch) takes what it holds
+            cap = mid_capacity(max(end, cap + max(MID_CHUNK, self.accumu_size)) if cap else end)
             self._mid_k = [_grow(t, self.mid_len, cap) for t in self._mid_k]
             self._mid_v = _grow(self._mid_v, self.mid_len, cap)
         b = k.shape[0]

@@ -254,16 +254,19 @@ def _mid_part(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    lo = split * split_len
+    lo = tl.multiple_of(split * split_len, BLOCK_N)  # split_len is a multiple of BLOCK_N
     hi = tl.minimum(lo + split_len, mid_len)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         in_range = j < mid_len
         if MID_CM:
+            # keys run along memory: bound the load by the capacity (slots past mid_len are allocated,
+            # their scores are masked below), a multiple of 16 for the cache, so tiles move as full vectors
             k_ptrs = k_row + j[None, :] + offs_c[:, None] * mid_cap
+            k = tl.load(k_ptrs, mask=c_ok[:, None] & (j < mid_cap)[None, :], other=0.0)
         else:
             k_ptrs = k_row + j[None, :] * c + offs_c[:, None]
-        k = tl.load(k_ptrs, mask=c_ok[:, None] & in_range[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=c_ok[:, None] & in_range[None, :], other=0.0)
         ok = in_range
         if HAS_MID_MASK:
             ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
