@@ -79,7 +79,9 @@ def test_next_token_kl_is_zero_for_identical_models_and_positive_for_a_pruned_on
         rows += [lm(ids[:, t:t + 1], cache=cache).logits[0, -1] for t in range(48, 59)]
         q = torch.log_softmax(torch.stack(rows).float(), -1)
     first = float((p.exp() * (p - q)).sum(-1).mean())
-    assert next_token_kl(lm, WORDS, context=48, steps=12, windows=1) == pytest.approx(first, rel=1e-4)
+    # the reference runs the window in one dense forward, next_token_kl decodes it step by step: fp32 sums in
+    # another order move a KL of ~3e-4 by ~1e-4 of itself (seen in CI), a wrong window or step by far more
+    assert next_token_kl(lm, WORDS, context=48, steps=12, windows=1) == pytest.approx(first, rel=2e-3)
 
 
 def test_retrieval_eval_scores_each_answer_per_method_and_length(tmp_path, monkeypatch):
