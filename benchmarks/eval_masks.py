@@ -50,7 +50,9 @@ def main() -> None:
     for path in args.masks:
         mask = ChannelMask.from_pretrained(path)
         mask.validate(lm.model.config)
-        tag = f"r{round(mask.ratio * 100)}"
+        tag = base = f"r{round(mask.ratio * 100)}"
+        while tag in tags:  # two masks of one ratio (candidates side by side): r80, r80-2, ...
+            tag = f"{base}-{len([t for t in tags if t.split('-')[0] == base]) + 1}"
         tags.append(tag)
         methods.append(Learned(f"leank-{tag}", mask))
         if not args.no_baselines:
