@@ -51,8 +51,10 @@ def main() -> None:
         mask = ChannelMask.from_pretrained(path)
         mask.validate(lm.model.config)
         tag = base = f"r{round(mask.ratio * 100)}"
+        n = 1
         while tag in tags:  # two masks of one ratio (candidates side by side): r80, r80-2, ...
-            tag = f"{base}-{len([t for t in tags if t.split('-')[0] == base]) + 1}"
+            n += 1
+            tag = f"{base}-{n}"
         tags.append(tag)
         methods.append(Learned(f"leank-{tag}", mask))
         if not args.no_baselines:
