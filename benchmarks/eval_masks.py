@@ -7,6 +7,8 @@ random and ThinK channels at its K budget (``random-r70``, ``think-r70``), so al
 the full model on the same probes. Prints the suite table (``leank_train.evaluation.report``), and the
 time taken. ``--card`` rewrites each mask's model card with its own rows (the full model, the mask as
 ``leank``, and the baselines at its budget as ``random`` and ``think``), this command next to them.
+``--from-json F --card`` writes the cards from a run saved with ``--json F`` (same masks, same order), next to
+the command that measured them, without answering again.
 
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
         --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json] [--card]
@@ -31,7 +33,7 @@ from leank_train.evaluation.report import card_results, format_table, renamed
 from leank_train.evaluation.settings import TASK_NAMES
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("masks", nargs="+")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
@@ -42,8 +44,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
-    args = p.parse_args()
-    cmd = shlex.join(["python", "benchmarks/eval_masks.py", *sys.argv[1:]])
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="no evaluation: the results of an earlier run's --json (the same masks in the same order)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    cmd = shlex.join(["python", "benchmarks/eval_masks.py", *argv])
     torch.set_num_threads(args.threads)
     lm = LeanKModel.from_pretrained(args.masks[0])
     methods, tags = [Full()], []
@@ -59,15 +64,24 @@ def main() -> None:
         methods.append(Learned(f"leank-{tag}", mask))
         if not args.no_baselines:
             methods += [RandomChannels(f"random-{tag}", like=mask), ThinK(f"think-{tag}", like=mask)]
-    start = time.perf_counter()
-    res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
-    took = time.perf_counter() - start
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        measured = p.parse_args(shlex.split(res["command"])[2:]).masks
+        if measured != args.masks:
+            sys.exit(f"{args.from_json} answered with the masks {measured}, not {args.masks}: "
+                     f"give the masks of its command, in its order: {res['command']}")
+        cmd, took = res["command"], res["seconds"]
+        res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
+    else:
+        start = time.perf_counter()
+        res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
+        took = time.perf_counter() - start
     probes = len(res["answers"])
     print(f"`{cmd}`\n")
     print(format_table(res))
     print(f"\n{probes} probes, {len(methods)} methods, {took / 60:.1f} min wall ({probes / took:.3f} probes/s), "
           f"{torch.get_num_threads()} torch threads")
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps({"command": cmd, "seconds": took, **res}, indent=1, default=str))
     if args.card:
         for path, tag in zip(args.masks, tags, strict=True):

@@ -130,3 +130,26 @@ def test_one_pass_pairs_several_masks_and_their_baselines_with_the_full_model(tm
     assert [r["leank-b"] for r in res["answers"]] == [r["leank"] for r in alone["answers"]]
     with pytest.raises(ValueError, match="share a name"):
         evaluate(lm, methods=["full", Full()], **kw)
+
+
+def test_sweep_answers_each_mask_as_that_mask_alone_does(tmp_path):
+    """A sweep is one pass (one prefill per probe): each mask's answers, under its own row, are the answers of a
+    run of that mask alone, and the full model's are the full model's; two different masks answer differently."""
+    import torch
+
+    from leank_infer import ChannelMask
+    from leank_train.evaluate import ratio_sweep
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    other = ChannelMask.from_scores(torch.rand(lm.mask.keep.shape, generator=torch.Generator().manual_seed(5)),
+                                    0.75, 4, sink_size=4, recent_size=8, accumu_size=4, base_model=lm.mask.base_model)
+    kw = dict(lengths=[48], samples=3, kinds=["passkey"], seed=0, sentences=["w5 w6 w7 w8 w9 w10 w11 w12."] * 20)
+    res = ratio_sweep(lm, [("a", lm.mask), ("b", other)], **kw)
+    assert [r["mask"] for r in res["masks"]] == ["a", "b"]
+    for row, mask in zip(res["masks"], [lm.mask, other], strict=True):
+        alone = evaluate(LeanKModel(lm.model, mask, lm.tokenizer), methods=["full", "leank"], kl=False,
+                         max_new_tokens=24, **kw)
+        assert [a["leank"] for a in row["answers"]] == [a["leank"] for a in alone["answers"]]
+        assert row["accuracy"] == alone["accuracy"]["leank"] and res["full"] == alone["accuracy"]["full"]
+    assert [a["leank"] for a in res["masks"][0]["answers"]] != [a["leank"] for a in res["masks"][1]["answers"]]

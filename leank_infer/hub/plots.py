@@ -75,7 +75,10 @@ def plot_ratio_sweep(sweep: dict[str, Any], path: str | Path, command: str | Non
             ax1.axhline(full, color=line[0].get_color(), linestyle="--", linewidth=1,
                         label=f"full model, {length} tok" if i == 0 else None)
     ax1.set_xlabel("fraction of K channels pruned (ratio)")
-    ax1.set_ylabel(f"retrieval accuracy ({sweep['samples_per_length']} probes per length)")
+    if "tasks" in sweep:  # the suite: a mask's accuracy is its headline score
+        ax1.set_ylabel(f"headline score ({sweep['samples_per_length']} probes per task)")
+    else:
+        ax1.set_ylabel(f"retrieval accuracy ({sweep['samples_per_length']} probes per length)")
     ax1.set_ylim(-0.05, 1.05)
     ax1.set_title("Accuracy vs ratio (dashed: full model)")
     ax1.grid(alpha=0.3)

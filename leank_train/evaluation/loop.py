@@ -177,26 +177,31 @@ def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequ
                 sentences: list[str] | None = None, tasks: Sequence[str] | None = None) -> dict[str, Any]:
     """Accuracy and KV bytes per token of several masks of one base model, on the same probes.
 
-    The full model is evaluated once; each mask decodes the same probes (same seed) with ``lm``'s model.
+    One pass: each probe is prefilled once and decoded by the full model and by every mask (one
+    :class:`.methods.Learned` each), so a sweep costs one prefill per probe, not one per mask.
     With ``tasks`` (the suite) a mask's accuracy per length is its headline score (over the tasks the full
     model passes there), and its per-task cells and paired counts against the full model come along.
     """
-    from leank_infer import LeanKModel
+    from .methods import Full, Learned
 
     sentences = sentences or haystack_sentences()
-    full = evaluate(lm, lengths, samples, kinds, ["full"], seed, kl=False, sentences=sentences, tasks=tasks)
-    full_acc = full["accuracy"]["full"]
+    learned = [Learned(f"leank-{i}", mask) for i, (_, mask) in enumerate(masks)]
+    res = evaluate(lm, lengths, samples, kinds, [Full(), *learned], seed, kl=False, sentences=sentences, tasks=tasks)
+    full_acc = res["accuracy"]["full"]
+    full_answers = [{k: v for k, v in a.items() if not k.startswith("leank-")} | {"correct": {"full": a["correct"]["full"]}}
+                    for a in res["answers"]]
     rows = []
-    for name, mask in masks:
-        res = evaluate(LeanKModel(lm.model, mask, lm.tokenizer), lengths, samples, kinds, ["leank"], seed,
-                       kl=False, sentences=sentences, tasks=tasks)
+    for (name, mask), m in zip(masks, learned, strict=True):
+        # this mask's answers as a one-mask run names them: "leank"
+        answers = [{k: v for k, v in a.items() if not k.startswith("leank-") and k != "full"}
+                   | {"leank": a[m.name], "correct": {"leank": a["correct"][m.name]}} for a in res["answers"]]
         s = mask.stats(dtype=torch.bfloat16)
         row = {"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
                "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
-               "accuracy": res["accuracy"]["leank"], "answers": res["answers"]}
+               "accuracy": res["accuracy"][m.name], "answers": answers}
         if tasks is not None:
-            paired = [{**f, "correct": {"full": f["correct"]["full"], "leank": m["correct"]["leank"]}}
-                      for f, m in zip(full["answers"], res["answers"], strict=True)]
+            paired = [{**a, "correct": {"full": f["correct"]["full"], "leank": a["correct"]["leank"]}}
+                      for f, a in zip(full_answers, answers, strict=True)]
             summary = summarize(paired, ["full", "leank"], lengths, tasks)
             heads = summary["headline"]
             row.update(summary)
@@ -205,4 +210,4 @@ def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequ
             full_acc = {n: heads[n]["full"]["score"] if "full" in heads[n] else float("nan") for n in lengths}
         rows.append(row)
     return {"full": full_acc, "masks": rows, "lengths": list(lengths), "samples_per_length": samples,
-            **({"tasks": list(tasks), "full_answers": full["answers"]} if tasks is not None else {})}
+            **({"tasks": list(tasks), "full_answers": full_answers} if tasks is not None else {})}
