@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -17,6 +21,17 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # alternates sliding-window and global layers, Gemma 3 (text) adds q/k norms to that, Phi-3 fuses
 # qkv_proj and rotates only part of each head (partial_rotary_factor).
 MORE_FAMILIES = ("gemma2", "gemma3", "phi3")
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as a module (benchmarks/ is scripts, not a package), once per name."""
+    key = f"leank_benchmark_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
 
 
 def documented_recent_from(prefill: int, length: int, recent: int, accumu: int) -> int:

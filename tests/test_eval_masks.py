@@ -3,29 +3,21 @@ equal the cards the run itself writes (same rows, the measuring command beside t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 from test_model import tiny_repo
 
 from leank_infer import ChannelMask
 from leank_infer.hub.card import EVAL_FILE
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_masks.py"
-
 
 @pytest.fixture(scope="module")
 def eval_masks():
-    spec = importlib.util.spec_from_file_location("leank_eval_masks", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("eval_masks")
 
 
 def test_cards_from_the_saved_json_equal_the_runs_own(eval_masks, tmp_path, capsys):

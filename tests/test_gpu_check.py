@@ -3,23 +3,16 @@ CPU-sized variant of every part (the GPU numbers themselves are measured only on
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("leank_gpu_check", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_check")
 
 
 def test_arguments(gpu_check):

@@ -17,7 +17,6 @@ if not _TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
-import importlib  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -394,12 +393,9 @@ def test_num_splits_heuristic(monkeypatch):
 
 # ---- the benchmark's CPU-side logic ------------------------------------------------------------
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
-    spec = importlib.util.spec_from_file_location("leank_bench_kernel", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_benchmark
+
+    return load_benchmark("kernel")
 
 
 def test_benchmark_byte_floor_and_configs():

@@ -66,13 +66,8 @@ def test_triton_paged_equals_the_torch_path(dtype, mid, monkeypatch):
 
 def test_gpu_check_runs_the_paged_kernel_check_at_cpu_size():
     """benchmarks/gpu_check.py's vllm part checks this kernel on a Llama-8B mask layer (here: interpreter, fp16)."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("leank_gpu_check_vllm", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("gpu_check")
     (row,) = mod.part_vllm_kernel(True, torch.device("cpu"))
     assert "1 request x 300" in row["setting"] and row["result"].endswith("(ok)"), row
