@@ -84,13 +84,13 @@ bench: $(STAMP)
 
 # Ratios 0.5-0.9 on the embedded model (README "Beyond 70%"): stage 2 at 0.5 and 0.6 from the committed 0.7
 # mask's scores (the 0.7 third-stage recipe at those ratios, ~2 min each), then one `leank eval` pass over the
-# five masks (0.7, the third-stage 0.8 and 0.9 from hub/) on the suite's four tasks the full model can pass,
+# five masks (the third-stage 0.7 and 0.8 and the 0.9 from hub/) on the suite's four tasks the full model can pass,
 # the figure into each mask's card.
 SWEEP_EVAL = --tasks niah_single_number niah_single_uuid niah_multikey passkey --lengths 1024 2048 --samples 12 --seed 1234
 sweep: $(STAMP)
 	for r in 50 60; do $(VENV)/bin/leank run recipes/smollm2-135m-s3.yaml --stage 2 --ratio 0.$$r --evaluate.enabled false \
 	  --out_dir runs/sweep/r$$r-root --mask_dir runs/sweep/r$$r || exit 1; done
-	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80-s3 \
+	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct-s3 hub/smollm2-135m-instruct-r80-s3 \
 	  hub/smollm2-135m-instruct-r90 $(SWEEP_EVAL) --plot runs/sweep/ratio_sweep.png --json runs/sweep/ratio_sweep.json --card
 
 # Mutation testing (not in CI: slow): mutmut breaks the core modules one change at a time and runs the tests
