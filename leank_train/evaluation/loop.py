@@ -21,9 +21,10 @@ from leank_infer import ChannelMask
 
 from ..errors import RecipeError
 from .kl import next_token_kl
-from .methods import METHODS, Method, RandomChannels, method
+from .methods import METHODS, Full, Learned, Method, RandomChannels, method
 from .needles import KINDS, make_probe
 from .prefill import decode_each, prefill
+from .report import renamed
 from .stats import summarize
 from .tasks import Probe, build_probes, chat_ids, correct, haystack_sentences
 
@@ -182,32 +183,24 @@ def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequ
     With ``tasks`` (the suite) a mask's accuracy per length is its headline score (over the tasks the full
     model passes there), and its per-task cells and paired counts against the full model come along.
     """
-    from .methods import Full, Learned
-
     sentences = sentences or haystack_sentences()
     learned = [Learned(f"leank-{i}", mask) for i, (_, mask) in enumerate(masks)]
     res = evaluate(lm, lengths, samples, kinds, [Full(), *learned], seed, kl=False, sentences=sentences, tasks=tasks)
     full_acc = res["accuracy"]["full"]
-    full_answers = [{k: v for k, v in a.items() if not k.startswith("leank-")} | {"correct": {"full": a["correct"]["full"]}}
-                    for a in res["answers"]]
     rows = []
     for (name, mask), m in zip(masks, learned, strict=True):
-        # this mask's answers as a one-mask run names them: "leank"
-        answers = [{k: v for k, v in a.items() if not k.startswith("leank-") and k != "full"}
-                   | {"leank": a[m.name], "correct": {"leank": a["correct"][m.name]}} for a in res["answers"]]
+        # this mask's answers as a one-mask run names them ("leank"), paired with the full model's
+        one = renamed(res, {"full": "full", m.name: "leank"})
         s = mask.stats(dtype=torch.bfloat16)
         row = {"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
                "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
-               "accuracy": res["accuracy"][m.name], "answers": answers}
+               "accuracy": res["accuracy"][m.name], "answers": one["answers"]}
         if tasks is not None:
-            paired = [{**a, "correct": {"full": f["correct"]["full"], "leank": a["correct"]["leank"]}}
-                      for f, a in zip(full_answers, answers, strict=True)]
-            summary = summarize(paired, ["full", "leank"], lengths, tasks)
-            heads = summary["headline"]
-            row.update(summary)
+            row.update({k: v for k, v in one.items() if k not in ("methods", "lengths", "answers")})
+            heads = one["headline"]
             row["accuracy"] = {n: heads[n]["leank"]["score"] if "leank" in heads[n] else float("nan")
                                for n in lengths}
             full_acc = {n: heads[n]["full"]["score"] if "full" in heads[n] else float("nan") for n in lengths}
         rows.append(row)
     return {"full": full_acc, "masks": rows, "lengths": list(lengths), "samples_per_length": samples,
-            **({"tasks": list(tasks), "full_answers": full_answers} if tasks is not None else {})}
+            **({"tasks": list(tasks), "full_answers": renamed(res, {"full": "full"})["answers"]} if tasks is not None else {})}

@@ -58,6 +58,7 @@ def renamed(results: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     One pass can answer with several masks and their baselines (``leank-r80``, ``random-r80``, ...); each
     mask's card wants the full model, its mask and its baselines as ``full``, ``leank``, ``random``,
     ``think``. ``names`` maps old method names to new ones; the paired counts are against ``full``.
+    Results of the older needle probes (no ``tasks``) are renamed without a suite summary.
     """
     methods = [new for old, new in names.items() if old in results["methods"]]
     answers = [{**{k: v for k, v in r.items() if k not in results["methods"] and k != "correct"},
@@ -66,7 +67,7 @@ def renamed(results: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
                for r in results["answers"]]
     lengths = [int(n) for n in results["lengths"]]
     return {"methods": methods, "lengths": lengths, "answers": answers,
-            **summarize(answers, methods, lengths, list(results["tasks"]))}
+            **(summarize(answers, methods, lengths, list(results["tasks"])) if "tasks" in results else {})}
 
 
 def _cell_text(c: dict[str, Any]) -> str:
