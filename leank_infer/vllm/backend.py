@@ -1,182 +1,95 @@
-"""LeanK attention for vLLM: pruned pages, exact LeanK decode (:class:`LeanKAttentionMixin`).
+"""LeanK attention for vLLM: every K/V byte in vLLM's pool, the positional rule, batched decode.
 
-Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's
-``register_backend`` override of a built-in backend; the CUDA variant over ``TRITON_ATTN`` is
-:mod:`~leank_infer.vllm.backend_cuda`). Without a LeanK mask in the engine's settings every layer
-is vLLM's own attention, unchanged. With one, each full-attention layer:
+Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's CPU build) and
+``TRITON_ATTN`` (CUDA): without a LeanK mask in the engine's settings every layer is vLLM's own
+attention, unchanged. With one, each decoder layer of the model is a LeanK layer:
 
-- gets a KV cache spec whose page holds, per token, only the kept K channels and the V of heads
-  keeping any (:mod:`~leank_infer.vllm.layout`); vLLM sizes its pool with it, so its
-  "KV cache size: N tokens" report grows by ``1 / bytes ratio``;
-- prefill: attends with every channel (SDPA over the prompt's own K/V), then stores the packed
-  rows in the pages and the full K/V of the sink and recent tokens in a small per-request side
-  store (at most ``sink + recent + accumu + 1`` tokens per request and layer, outside vLLM's pool);
-- decode: the LeanK rule (:func:`leank_infer.decode.rule.recent_from`, the core's rule): sink and recent keys
-  with every channel from the side store, middle keys with the kept channels read from the packed
-  pages through the block table, every decode request of a step in one call per layer (fp32 on
-  CPU: the fused kernel :mod:`~leank_infer.vllm.cpu_kernel`; else :mod:`~leank_infer.vllm.paged_decode`;
-  on CUDA tensors the Triton kernel :mod:`~leank_infer.vllm.triton_paged`, per request).
-
-Refused with a clear error at start-up: prefix caching, chunked prefill (a prompt must be
-prefilled in one step, as the HF path does), tensor parallelism, quantised KV cache. A request
-that vLLM preempts is recomputed as one longer prefill, after which its recent window starts
-where the HF path's would after that longer prompt (documented, not hidden).
+- its K/V live in the worker's LeanK pages (:mod:`~leank_infer.vllm.pool`): packed rows for every
+  token, full rows for the sink and the window. The layer shares the packed store's cache and block
+  table (vLLM's cross-layer KV sharing) and reads its window store's metadata from the forward
+  context. vLLM sizes, counts ("KV cache size: N tokens"), frees, caches and preempts all of it;
+- every query, prompt or generated, follows the positional rule
+  (:func:`~leank_infer.decode.rule.positional_recent_from`): the outcome depends on positions only,
+  so chunked prefill, prefix-cache hits and preemption give the tokens an unchunked, uncached,
+  uninterrupted run gives (up to floating point), and so does ``LeanKModel(..., rule="positional")``;
+- the decode requests of a step (one new token each; vLLM puts them first) go to one kernel call per
+  layer (:mod:`~leank_infer.vllm.kernels`); prefill chunks use the PyTorch reference
+  (:mod:`~leank_infer.vllm.paged_reference`), where attention is a matrix product anyway.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from ..decode.rule import recent_from
 from ..mask import ChannelMask, MaskError
-from . import cpu_kernel
-from .layout import PackedLayout
-from .paged_decode import paged_decode_batch
+from . import kernels
+from .paged_reference import reference_attention, request_kv
+from .pool import PACKED_SUFFIX, WINDOW_SUFFIX, DEFAULT_BLOCK_SIZE, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
-from .triton_paged import triton_paged_decode
+from .stores import LeanKBuilder, Store, WindowBackend
+
+_NO_WINDOW = (-1, None, (-1, -1))  # how vLLM's CPU and Triton implementations spell "no sliding window"
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def check_engine(vllm_config: Any) -> None:
-    """Refuse engine settings the LeanK backend does not implement (one error naming the flag)."""
+    """Refuse engine settings the LeanK backend does not implement (one error naming each)."""
     problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching (pass --no-enable-prefix-caching / LLM(enable_prefix_caching=False))")
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        problems.append(
-            "chunked prefill (pass --no-enable-chunked-prefill / LLM(enable_chunked_prefill=False); "
-            "then max_num_batched_tokens must be at least max_model_len)"
-        )
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        problems.append(
-            f"tensor parallelism (tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size})"
-        )
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        problems.append(f"a quantised KV cache (kv_cache_dtype={vllm_config.cache_config.cache_dtype!r})")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "num_speculative_tokens", None):
+        problems.append("speculative decoding")
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype not in ("auto", None, *_FP8):
+        problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8)")
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        problems.append("decode context parallelism")
     if problems:
         raise MaskError("LeanK serving does not support " + "; ".join(problems))
 
 
-_NO_WINDOW = (-1, None, (-1, -1))  # how vLLM's CPU and Triton implementations spell "no sliding window"
-
-
-@dataclass
-class _RequestState:
-    """Full-channel K/V of one request in one layer: the sink, and the recent part from ``tail_start``."""
-
-    prefill_len: int
-    length: int
-    head_k: torch.Tensor  # [min(sink, length), Hkv, D]
-    head_v: torch.Tensor
-    tail_start: int
-    tail_k: torch.Tensor  # [length - tail_start, Hkv, D]
-    tail_v: torch.Tensor
-    seen: int = 0  # the forward step that last touched it
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.head_k, self.head_v, self.tail_k, self.tail_v))
-
-
 class LeanKAttentionMixin:
     """LeanK attention over a vLLM attention implementation (the next class in the MRO), which runs
-    every layer that is not LeanK's: no mask in the engine, a dense layer of the mask, a sliding window."""
+    every layer when the engine names no mask."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.mask: ChannelMask | None = None
-        self.layout: PackedLayout | None = None
-        self.layer_index: int | None = None
-        self.states: OrderedDict[int, _RequestState] = OrderedDict()
-        self.step = 0
-        self.kernel_tensors: tuple[torch.Tensor, ...] | None = (
-            None  # the fused CPU kernel's view of the layout
-        )
+        self.slot: LayerSlot | None = None
+        self.plan: WorkerPlan | None = None
+        self.window_name: str | None = None
+        self.fp8: torch.dtype | None = None
         config = get_current_vllm_config()
+        self.vllm_config = config
         settings = settings_from(getattr(config, "additional_config", None))
-        if (
-            settings is None
-            or self.attn_type != AttentionType.DECODER
-            or self.sliding_window not in _NO_WINDOW
-        ):
-            return  # not a LeanK layer: vLLM's own attention
+        if settings is None or self.attn_type != AttentionType.DECODER:
+            return  # vLLM's own attention
+        if self.sliding_window not in _NO_WINDOW:
+            raise MaskError(
+                "LeanK serving does not support models with sliding-window attention layers "
+                f"(this layer's window: {self.sliding_window})"
+            )
         check_engine(config)
         self.check_platform(config)
         self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
-        self.max_states = 2 * config.scheduler_config.max_num_seqs + 8
+        self.fp8 = _FP8.get(config.cache_config.cache_dtype)
 
     def check_platform(self, vllm_config: Any) -> None:
-        """Refuse what this implementation cannot run (the CUDA variant needs eager mode)."""
+        """Refuse what this implementation cannot run (the CUDA variant's hook)."""
 
-    def _on(self, device: torch.device) -> PackedLayout:
-        """The layer's layout with its indices on ``device`` (moved once)."""
-        if self.layout.k_index.device != device:
-            self.layout = self.layout.to(device)
-        return self.layout
+    # ---- set-up, once per worker, after the model is loaded ---------------------------------------
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        if self.mask is not None and self.slot is None:
+            plan_worker(self.vllm_config, self.mask)
 
-    # ---- binding to a layer of the mask -------------------------------------------------------
-    def bind(self, layer_name: str) -> None:
-        """Take this layer's row of the mask (once); a dense layer of the mask falls back to vLLM's attention."""
-        if self.mask is None or self.layer_index is not None:
-            return
-        self.layer_index = extract_layer_index(layer_name)
-        if self.layer_index in self.mask.dense_layers:
-            self.mask = None
-            return
-        keep = self.mask.keep[self.layer_index]
-        if tuple(keep.shape) != (self.num_kv_heads, self.head_size):
-            raise MaskError(
-                f"LeanK mask row of layer {self.layer_index} is {tuple(keep.shape)} (kv_heads, head_dim), "
-                f"the vLLM layer {layer_name} has {(self.num_kv_heads, self.head_size)}"
-            )
-        self.layout = PackedLayout.from_keep(keep)
-
-    def leank_kv_cache_spec(self, layer_name: str, spec: FullAttentionSpec) -> FullAttentionSpec:
-        """The layer's spec with one packed row per token (``num_head_slots=1``, ``state_content_bytes=width``)."""
-        self.bind(layer_name)
-        if self.layout is None or type(spec) is not FullAttentionSpec:
-            return spec
-        return replace(spec, num_head_slots=1, state_content_bytes=self.layout.bytes_per_token(spec.dtype))
-
-    # ---- cache writes ------------------------------------------------------------------------
-    def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        self.bind(layer.layer_name)
-        if self.layout is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        rows = (
-            self._on(key.device)
-            .pack(key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1))
-            .to(kv_cache.dtype)
-        )
-        pages = self._pages(kv_cache)
-        if n and int(slots.min()) < 0:  # padding tokens carry slot -1 (a boolean select costs ~0.5 ms on CPU)
-            keep = slots >= 0
-            slots, rows = slots[keep], rows[keep]
-        pages.index_copy_(0, slots, rows)
-
-    def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        # [num_blocks, 1, block_size, width] -> one row per slot (a view: writes land in vLLM's pool)
-        return kv_cache.view(-1, kv_cache.shape[-1])
-
-    # ---- attention ---------------------------------------------------------------------------
+    # ---- attention ------------------------------------------------------------------------------
     def forward(
         self,
         layer: Any,
@@ -189,174 +102,133 @@ class LeanKAttentionMixin:
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.bind(layer.layer_name)
-        if self.layout is None:
+        if self.slot is None:
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the LeanK backend")
-        if attn_metadata is None:  # warm-up
+        if attn_metadata is None:  # profiling run
             return output
-        n = attn_metadata.num_actual_tokens
+        md = attn_metadata
+        window_md = get_forward_context().attn_metadata[self.window_name]
+        n = md.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = query[:n].view(n, hq, d)
         k = key[:n].view(n, hkv, d)
         v = value[:n].view(n, hkv, d)
         out = output[:n].view(n, hq, d)
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        pages = self._pages(kv_cache)
-        block_size = kv_cache.shape[2]
-        self.step += 1
-        decodes: list[
-            tuple[int, int, int, int]
-        ] = []  # (request index, token index, request id, cached tokens)
-        for i in range(len(seq_lens)):
-            s, e = starts[i], starts[i + 1]
-            if e <= s:
-                continue
-            q_len, total = e - s, seq_lens[i]
-            context = total - q_len
-            rid = int(attn_metadata.block_table[i, 0])
-            if context == 0:
-                out[s:e] = self._prefill(rid, q[s:e], k[s:e], v[s:e])
-                self.states[rid].seen = self.step
-            elif q_len == 1:
-                decodes.append((i, s, rid, context))
-            else:
-                raise RuntimeError(
-                    f"LeanK got {q_len} new tokens after {context} cached ones (chunked prefill, prefix caching "
-                    "or speculative decoding): not supported, the engine should have refused them at start-up"
-                )
-        if decodes:
-            self._decode(
-                decodes, q, k, v, out, pages.view(-1, block_size, pages.shape[-1]), attn_metadata.block_table
-            )
-        self._forget_finished()
+        packed = kv_cache[:, 0]  # [num_blocks, block_size, packed row]
+        window = self.window_store.kv_cache[:, 0]
+        self._write(packed, md.slot_mapping, window, window_md.slot_mapping, k, v, layer)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = kernels.decode(
+                q[:nd], packed, md.block_table[:nd], window, window_md.block_table[:nd], md.seq_lens[:nd],
+                self.plan, self.slot, self.scale, layer._k_scale_float, layer._v_scale_float, self.fp8,
+            )  # fmt: skip
+        for row, start, end, cached in md.extends:
+            kk, vv = request_kv(
+                self.plan, self.slot, packed, md.block_table[row], window, window_md.block_table[row],
+                cached + end - start, cached, k[start:end], v[start:end], q.dtype,
+                layer._k_scale_float, layer._v_scale_float, self.fp8,
+            )  # fmt: skip
+            out[start:end] = reference_attention(self.plan, self.slot, q[start:end], kk, vv, cached, self.scale)
         return output
 
-    def _forget_finished(self) -> None:
-        """Drop the side store of requests absent from two steps in a row: they finished or were preempted.
-
-        vLLM schedules every running request at every step in the settings this backend accepts (no
-        chunked prefill: a decode needs one token of the budget); a preempted request comes back as a
-        new prefill, which rebuilds its state. A request that is skipped anyway fails loudly at its next
-        decode (``_decode``), never silently.
-        """
-        stale = [rid for rid, st in self.states.items() if st.seen < self.step - 1]
-        for rid in stale:
-            del self.states[rid]
-
-    def _prefill(self, rid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Every channel, causal (as the HF path's prefill); then the sink and recent part go to the side store."""
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        t = q.shape[0]
-        mask = self.mask
-        head = min(mask.sink_size, t)
-        tail_start = max(head, recent_from(t, t, mask.recent_size, mask.accumu_size))
-        self.states[rid] = _RequestState(
-            t,
-            t,
-            k[:head].clone(),
-            v[:head].clone(),
-            tail_start,
-            k[tail_start:].clone(),
-            v[tail_start:].clone(),
-        )
-        self.states.move_to_end(rid)
-        while len(self.states) > self.max_states:
-            self.states.popitem(last=False)
-        return o[0].transpose(0, 1)
-
-    def _advance(
-        self, rid: int, length: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Add one token at position ``length`` to a request's side store; its full-channel K/V
-        ``[nf, Hkv, D]`` and where its middle ends (the rule's ``recent_from`` over ``length`` cached keys)."""
-        st = self.states.get(rid)
-        if st is None or st.length != length:
-            raise RuntimeError(
-                f"LeanK lost the full-channel state of a request (block {rid}, {length} cached tokens): "
-                "more requests alive than max_num_seqs allows for, or a preemption the backend did not see"
-            )
-        self.states.move_to_end(rid)
-        st.seen = self.step
-        mask = self.mask
-        r = recent_from(st.prefill_len, length, mask.recent_size, mask.accumu_size)
-        start = max(st.head_k.shape[0], r)
-        if start > st.tail_start:  # these tokens became middle tokens: their packed rows are in the pages
-            drop = start - st.tail_start
-            st.tail_k, st.tail_v, st.tail_start = st.tail_k[drop:], st.tail_v[drop:], start
-        if length < mask.sink_size:
-            st.head_k, st.head_v = torch.cat([st.head_k, k[None]]), torch.cat([st.head_v, v[None]])
-        else:
-            st.tail_k, st.tail_v = torch.cat([st.tail_k, k[None]]), torch.cat([st.tail_v, v[None]])
-        st.length = length + 1
-        return torch.cat([st.head_k, st.tail_k]), torch.cat([st.head_v, st.tail_v]), r
-
-    def _decode(
+    def _write(
         self,
-        decodes: list[tuple[int, int, int, int]],
-        q: torch.Tensor,
+        packed: torch.Tensor,
+        packed_slots: torch.Tensor,
+        window: torch.Tensor,
+        window_slots: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        out: torch.Tensor,
-        pages: torch.Tensor,
-        block_table: torch.Tensor,
+        layer: Any,
     ) -> None:
-        """Every decode request of the step (one new token each) with the LeanK rule, written into ``out``.
-
-        On CPU one batched call per layer: the fused C kernel for fp32 (:mod:`~leank_infer.vllm.cpu_kernel`),
-        else :func:`~leank_infer.vllm.paged_decode.paged_decode_batch`; on CUDA the Triton kernel per request.
-        """
-        parts = [self._advance(rid, length, k[t], v[t]) for _, t, rid, length in decodes]
-        layout = self._on(q.device)
-        sink = self.mask.sink_size
-        if q.is_cuda:
-            for (i, t, _, _), (full_k, full_v, r) in zip(decodes, parts, strict=True):
-                out[t] = triton_paged_decode(
-                    q[t], full_k, full_v, pages, block_table[i], sink, r, layout, self.scale
-                )
-            return
-        reqs = [i for i, _, _, _ in decodes]
-        toks = [t for _, t, _, _ in decodes]
-        b = len(decodes)
-        # a pure decode step (the common case) takes views: requests 0..B-1, tokens t0..t0+B-1
-        rows = block_table[:b] if reqs == list(range(b)) else block_table[torch.tensor(reqs, device=q.device)]
-        tok = slice(toks[0], toks[0] + b) if toks == list(range(toks[0], toks[0] + b)) else torch.tensor(toks)
-        full_k = pad_sequence([p[0] for p in parts], batch_first=True)
-        full_v = pad_sequence([p[1] for p in parts], batch_first=True)
-        full_len = torch.tensor([p[0].shape[0] for p in parts], device=q.device)
-        args = (
-            q[tok],
-            full_k,
-            full_v,
-            full_len,
-            pages,
-            rows,
-            sink,
-            [p[2] for p in parts],
-            layout,
-            self.scale,
-        )
-        if q.dtype == torch.float32 and cpu_kernel.available():  # one fused pass over the packed rows
-            if self.kernel_tensors is None:
-                self.kernel_tensors = cpu_kernel.kernel_tensors(layout)
-            out[tok] = cpu_kernel.cpu_paged_decode_batch(*args, tensors=self.kernel_tensors)
+        """The step's K/V into this layer's columns: a packed row for every token, a full row for the
+        tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing)."""
+        slot, bs = self.slot, packed.shape[1]
+        rows = slot.layout.to(k.device).pack(k, v)
+        full = torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
+        if self.fp8 is not None:
+            rows = self._to_fp8(rows, slot.layout.k_index.numel(), layer)
+            full = self._to_fp8(full, k[0].numel(), layer)
         else:
-            out[tok] = paged_decode_batch(*args)
+            rows, full = rows.to(packed.dtype), full.to(window.dtype)
+        p = packed_slots.long()
+        keep = p >= 0
+        if not bool(keep.all()):
+            p, rows = p[keep], rows[keep]
+        packed[p // bs, p % bs, slot.packed_offset : slot.packed_offset + rows.shape[1]] = rows
+        w = window_slots.long()
+        keep = w >= bs  # -1: padding, [0, bs): the null block (a token no later query reads fully)
+        w, full = w[keep], full[keep]
+        window[w // bs, w % bs, slot.window_offset : slot.window_offset + full.shape[1]] = full
 
-    def states_nbytes(self) -> int:
-        """Bytes of the side store of this layer right now (full-channel sink and recent K/V)."""
-        return sum(s.nbytes() for s in self.states.values())
+    def _to_fp8(self, x: torch.Tensor, nk: int, layer: Any) -> torch.Tensor:
+        """K columns ``[:nk]`` scaled by the layer's K scale, the rest by its V scale, as fp8 bytes."""
+        scale = torch.full((x.shape[1],), layer._v_scale_float, dtype=torch.float32, device=x.device)
+        scale[:nk] = layer._k_scale_float
+        return (x.float() / scale).to(self.fp8).view(torch.uint8)
+
+
+def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
+    """Lay out this worker's LeanK pages and wire its attention layers to them (once per worker).
+
+    Finds every attention layer of the model, refuses one that is not LeanK's while a mask is set
+    (it would serve dense attention silently), plans the pages, registers the stores and makes
+    each LeanK layer share the packed store's cache.
+    """
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    context = vllm_config.compilation_config.static_forward_context
+    layers: dict[int, tuple[str, Any]] = {}
+    for name, module in context.items():
+        if not isinstance(module, Attention) or module.attn_type != AttentionType.DECODER:
+            continue
+        impl = module.impl
+        if not isinstance(impl, LeanKAttentionMixin) or impl.mask is None:
+            raise MaskError(
+                f"a LeanK mask is set but layer {name} runs {type(impl).__name__}: LeanK runs in vLLM's "
+                "CPU_ATTN backend (CPU build) and TRITON_ATTN (GPUs: pass --attention-backend TRITON_ATTN)"
+            )
+        index = extract_layer_index(name)
+        if (impl.num_kv_heads, impl.head_size) != (None, None) and impl.head_size != mask.head_dim:
+            raise MaskError(f"LeanK mask head_dim {mask.head_dim} != layer {name}'s {impl.head_size}")
+        layers[index] = (name, module)
+    if not layers:
+        raise MaskError("a LeanK mask is set but the model has no decoder attention layer")
+    order = sorted(layers)
+    cache = vllm_config.cache_config
+    block = cache.block_size if getattr(cache, "user_specified_block_size", False) else DEFAULT_BLOCK_SIZE
+    plan = WorkerPlan.build(
+        mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block
+    )
+    first_name, first = layers[order[0]]
+    if plan.num_kv_heads != first.impl.num_kv_heads:
+        raise MaskError(
+            f"LeanK plan has {plan.num_kv_heads} KV heads per rank, vLLM's layer has {first.impl.num_kv_heads}"
+        )
+    packed_spec, window_spec = kv_specs(plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype))
+    backend = LeanKBackend
+    packed_name = f"{first_name}.{PACKED_SUFFIX}"
+    Store(packed_name, packed_spec, backend, vllm_config)
+    windows = [
+        Store(f"{layers[store[0]][0]}.{WINDOW_SUFFIX}", window_spec, WindowBackend, vllm_config)
+        for store in plan.window_layers
+    ]
+    for index in order:
+        module = layers[index][1]
+        impl = module.impl
+        impl.plan, impl.slot = plan, plan.slots[index]
+        impl.window_store = windows[impl.slot.window_store]
+        impl.window_name = impl.window_store.layer_name
+        module.kv_sharing_target_layer_name = packed_name
+        module.attn_backend = backend
+    return plan
 
 
 class LeanKCPUAttentionImpl(LeanKAttentionMixin, CPUAttentionBackendImpl):
@@ -369,3 +241,32 @@ class LeanKCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[LeanKCPUAttentionImpl]:
         return LeanKCPUAttentionImpl
+
+
+class LeanKBackend(CPUAttentionBackend):
+    """The backend of LeanK layers and of the packed store once a mask is planned: LeanK metadata."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_kv_cache_dtypes = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "LEANK"
+
+    @staticmethod
+    def get_impl_cls() -> type[LeanKCPUAttentionImpl]:
+        return LeanKCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[LeanKBuilder]:
+        return LeanKBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> None:
+        return None
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        from vllm.v1.attention.backend import MultipleOf
+
+        return [MultipleOf(1)]

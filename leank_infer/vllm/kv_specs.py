@@ -126,10 +126,9 @@ class LeanKWindowManager(SlidingWindowManager):
         fresh = iter(self.block_pool.get_new_blocks(len(real)))
         new = [next(fresh) if self._real(i, num_tokens) else self._null_block for i in range(len(blocks), need)]
         blocks.extend(new)
-        allocated = [b for b in new if not b.is_null]
         if self._record_new_block_ids:
-            self.new_block_ids.extend(b.block_id for b in allocated)
-        return allocated
+            self.new_block_ids.extend(b.block_id for b in new if not b.is_null)
+        return new  # the worker appends these to its block table: nulls keep the positions aligned
 
     def add_local_computed_blocks(
         self,
@@ -171,8 +170,8 @@ class LeanKWindowManager(SlidingWindowManager):
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         assert isinstance(kv_cache_spec, LeanKWindowSpec)
-        computed, hit = SlidingWindowManager.find_longest_cache_hit.__func__(
-            cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+        computed, hit = super().find_longest_cache_hit(
+            block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
             drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
         )  # fmt: skip
         bs = kv_cache_spec.block_size
@@ -202,7 +201,7 @@ class LeanKWindowManager(SlidingWindowManager):
     @classmethod
     def reachable_block_mask(cls, *args: Any, **kwargs: Any) -> list[bool] | None:
         """vLLM's sparse retention of window blocks, and every sink block."""
-        mask = SlidingWindowManager.reachable_block_mask.__func__(cls, *args, **kwargs)
+        mask = super().reachable_block_mask(*args, **kwargs)
         if mask is None:
             return None
         start = kwargs.get("start_block", args[0] if args else 0)

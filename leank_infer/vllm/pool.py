@@ -1,0 +1,146 @@
+"""Where a vLLM worker keeps LeanK's K/V: two kinds of pages, both in vLLM's own KV pool.
+
+- **Packed pages** (one store per worker, a full-attention KV cache group): per token one row
+  holding, for every LeanK layer of the worker in turn, the kept K channels of each KV head (heads
+  in order, channels ascending) and then the whole V of each head that keeps any channel
+  (:class:`~leank_infer.vllm.layout.PackedLayout`). Every token has a row; middle keys are read from it.
+- **Window pages** (:class:`~leank_infer.vllm.kv_specs.LeanKWindowSpec`, a few stores): per token the
+  full K and V of a run of layers, kept only for the sink and the recent window (the keys a later
+  query scores with every channel).
+
+One store's page must be the same size as every other's (vLLM's hybrid allocator shares one pool
+of blocks between groups: :func:`vllm.v1.core.kv_cache_utils.unify_kv_cache_spec_page_size`), and a
+layer's page size depends on its mask row. So the layers do not get a page each: the packed store
+holds all of them side by side in one row (one group, any mix of kept counts, no padding but the
+tensor-parallel one below), and the window stores hold as many layers' full rows as fit in a packed
+page, padded to it. The model's attention layers share the packed store's cache and block table
+through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
+columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask, and a layer's
+packed width is the widest any rank needs, so all ranks have the same pages and groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..mask import ChannelMask, MaskError
+from .layout import PackedLayout
+
+PACKED_SUFFIX = "leank_packed"
+WINDOW_SUFFIX = "leank_window"
+DEFAULT_BLOCK_SIZE = 16  # tokens per LeanK page unless the user sets --block-size: the window's blocks stay small
+
+
+def kv_heads_of_rank(total: int, tp_size: int, rank: int) -> list[int]:
+    """The KV heads vLLM gives tensor-parallel rank ``rank`` (split when there are enough, else replicated)."""
+    if total >= tp_size:
+        if total % tp_size:
+            raise MaskError(f"{total} KV heads cannot be split over tensor_parallel_size={tp_size}")
+        per = total // tp_size
+        return list(range(rank * per, (rank + 1) * per))
+    if tp_size % total:
+        raise MaskError(f"tensor_parallel_size={tp_size} is not a multiple of the model's {total} KV heads")
+    return [rank // (tp_size // total)]
+
+
+def packed_width(keep: torch.Tensor) -> int:
+    """Elements of a packed row of one layer's ``[heads, head_dim]`` keep rows: kept K plus V of heads keeping any."""
+    return int(keep.sum()) + int(keep.any(-1).sum()) * keep.shape[-1]
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where one LeanK layer's K/V live in this worker's pages."""
+
+    layer: int  # model layer index
+    layout: PackedLayout  # this rank's kept channels
+    packed_offset: int  # first column of the layer's packed row in a packed-store row
+    packed_width: int  # its columns there (the widest rank's width; the rest of a narrower rank's is padding)
+    window_store: int  # which window store holds the layer's full rows
+    window_offset: int  # first column of its full row (K then V, ``2 * heads * head_dim``) in that store's row
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """This worker's LeanK pages: the packed row, the window stores, each layer's slot."""
+
+    slots: dict[int, LayerSlot]
+    packed_row: int  # elements of a packed-store row
+    window_row: int  # elements of a window-store row (its real content; the page is padded)
+    window_layers: tuple[tuple[int, ...], ...]  # the layers of each window store
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    block_size: int
+    sink: int
+    recent: int
+    accumu: int
+
+    @classmethod
+    def build(
+        cls,
+        mask: ChannelMask,
+        layers: list[int],
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> WorkerPlan:
+        """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``."""
+        total_heads, head_dim = mask.num_kv_heads, mask.head_dim
+        ranks = [kv_heads_of_rank(total_heads, tp_size, r) for r in range(tp_size)]
+        mine = ranks[tp_rank]
+        slots: dict[int, LayerSlot] = {}
+        offset = 0
+        full = 2 * len(mine) * head_dim
+        for layer in layers:
+            keep = mask.keep[layer]
+            width = max(packed_width(keep[r]) for r in ranks)
+            slots[layer] = LayerSlot(layer, PackedLayout.from_keep(keep[mine]), offset, max(width, 1), 0, 0)
+            offset += max(width, 1)
+        per_store = max(1, offset // full)  # full rows that fit in a packed row
+        stores = tuple(tuple(layers[i : i + per_store]) for i in range(0, len(layers), per_store))
+        for j, store in enumerate(stores):
+            for k, layer in enumerate(store):
+                s = slots[layer]
+                slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, j, k * full)
+        return cls(
+            slots, offset, per_store * full, stores, len(mine), head_dim, block_size,
+            mask.sink_size, mask.recent_size, mask.accumu_size,
+        )  # fmt: skip
+
+    @property
+    def window(self) -> int:
+        """Tokens before a query that it may score with every channel (besides the sink): recent + accumu."""
+        return self.recent + self.accumu
+
+    @property
+    def page_elements(self) -> int:
+        """Elements of one page of every store (the larger of the packed and the window content)."""
+        return self.block_size * max(self.packed_row, self.window_row)
+
+    def bytes_per_token(self, itemsize: int) -> float:
+        """Packed bytes a token costs once it has left the window (all LeanK layers of the worker)."""
+        return self.packed_row * itemsize
+
+
+def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None) -> tuple[Any, Any]:
+    """vLLM specs of the packed store and of (every) window store: one page size, ``plan.page_elements``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from .kv_specs import LeanKWindowSpec
+
+    item = torch.empty((), dtype=dtype).element_size()
+    page = plan.page_elements * item
+    common = dict(
+        block_size=plan.block_size, num_kv_heads=plan.num_kv_heads, head_size=plan.head_dim, dtype=dtype,
+        num_head_slots=1, page_size_padded=page,
+    )  # fmt: skip
+    if quant_mode is not None:
+        common["kv_quant_mode"] = quant_mode
+    packed = FullAttentionSpec(state_content_bytes=plan.packed_row * item, **common)
+    window = LeanKWindowSpec(
+        state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink, **common
+    )
+    return packed, window

@@ -1,0 +1,150 @@
+"""The KV cache layers that own LeanK's pages in vLLM (:mod:`leank_infer.vllm.pool`), and their metadata.
+
+A store is an attention-like layer with a KV cache spec and no forward, registered in vLLM's static
+forward context as vLLM's own per-request ring buffers are (``models/deepseek_v41/compressor.py``):
+vLLM then allocates its pages in the shared pool, gives it a block table per request, and frees,
+caches and preempts its blocks. The packed store's group also holds the model's LeanK attention
+layers (cross-layer KV sharing): they get its cache and its metadata (:class:`LeanKMetadata`).
+Each window store has a group of its own, whose metadata is just its block table and slot mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+
+@dataclass
+class WindowMetadata:
+    """A window store's view of a step: where each request's full-channel tokens are."""
+
+    block_table: torch.Tensor  # [num_reqs, blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64: page slot of each scheduled token (null block: slot < block_size)
+
+
+@dataclass
+class LeanKMetadata:
+    """One step of the packed group, read by every LeanK layer (decodes come first: ``reorder_batch_threshold=1``)."""
+
+    num_actual_tokens: int
+    num_decodes: int  # requests with one new token; they are rows [0, num_decodes) and tokens [0, num_decodes)
+    seq_lens: torch.Tensor  # [num_reqs] int32: tokens of each request after this step
+    block_table: torch.Tensor  # [num_reqs, blocks] int32 (packed store)
+    slot_mapping: torch.Tensor  # [num_tokens] int64 (packed store)
+    # the other requests (prefill chunks, or several tokens), one tuple each: (row, first token, end token, cached)
+    extends: tuple[tuple[int, int, int, int], ...]
+
+
+class WindowBuilder(AttentionMetadataBuilder[WindowMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> WindowMetadata:
+        cm = common_attn_metadata
+        return WindowMetadata(cm.block_table_tensor, cm.slot_mapping[: cm.num_actual_tokens])
+
+
+class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
+    """The packed group's metadata: tensors for the batched decode, a short list of the prefill chunks."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> LeanKMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(cm, decode_threshold=1)
+        extends: tuple[tuple[int, int, int, int], ...] = ()
+        if num_prefills:  # host values, once per step (not per layer): the chunks' bounds
+            starts = cm.query_start_loc_cpu.tolist()
+            lens = (cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()).tolist()
+            extends = tuple(
+                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]))
+                for i in range(num_decodes, cm.num_reqs)
+                if starts[i + 1] > starts[i]
+            )
+        return LeanKMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_decodes=num_decodes,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+            extends=extends,
+        )
+
+
+class _StoreBackend(AttentionBackend):
+    """Backend of a store: metadata only (a store has no forward)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_impl_cls() -> Any:
+        raise NotImplementedError("a LeanK store has no attention of its own")
+
+    @staticmethod
+    def get_kv_cache_shape(*args: Any, **kwargs: Any) -> tuple[int, ...]:
+        raise NotImplementedError("LeanK stores are laid out by their spec")
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []
+
+
+class WindowBackend(_StoreBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "LEANK_WINDOW"
+
+    @staticmethod
+    def get_builder_cls() -> type[WindowBuilder]:
+        return WindowBuilder
+
+
+class Store(torch.nn.Module, AttentionLayerBase):
+    """A LeanK page store: registered in the static forward context under ``name``, with ``spec`` and ``backend``."""
+
+    def __init__(self, name: str, spec: Any, backend: type[AttentionBackend], vllm_config: Any):
+        super().__init__()
+        self.layer_name = name
+        self.spec = spec
+        self.backend = backend
+        self.kv_cache = torch.tensor([])
+        context = vllm_config.compilation_config.static_forward_context
+        if name in context:
+            raise ValueError(f"duplicate layer name {name!r}")
+        context[name] = self
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        return self.spec
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return self.backend
