@@ -405,7 +405,7 @@ def test_from_pretrained_with_model_checks_shape_and_base_model(tmp_path):
 
 def test_from_pretrained_applies_the_masks_config_overrides(tmp_path):
     """A mask learned with YaRN loads its base model with YaRN (hf_kwargs of the same name win); a
-    given model without it is used, with a warning naming the override."""
+    given model without it is refused, naming the override (used with a warning on opt-out)."""
     mask_dir, _ = tiny_repo(tmp_path)
     mask = ChannelMask.from_pretrained(mask_dir)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
@@ -419,8 +419,10 @@ def test_from_pretrained_applies_the_masks_config_overrides(tmp_path):
     ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # YaRN changes the model (attention temperature, rotary frequencies)
         assert not torch.allclose(lk(ids).logits, plain(ids).logits, atol=1e-4)
-    with pytest.warns(UserWarning, match="rope_parameters: model has"):
+    with pytest.raises(MaskError, match="rope_parameters: model has"):  # the vLLM plugin's check too
         LeanKModel.from_pretrained(mask_dir, model=plain.model)
+    with pytest.warns(UserWarning, match="rope_parameters: model has"):
+        LeanKModel.from_pretrained(mask_dir, model=plain.model, check_base_model=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LeanKModel.from_pretrained(mask_dir, model=lk.model)  # carries them: no warning

@@ -3,11 +3,13 @@
 Inside the package, each module imports only those listed before it:
 ``format`` (file names, versions, limits, MaskError) -> ``layers`` (shape, positions, dense layers)
 -> ``binarize``, ``kv_bytes`` (bytes per token, the one formula) -> ``folder`` (read and write a mask
-folder) -> ``channel_mask`` (ChannelMask) -> ``estimate``, ``capacity`` (any config, per sequence, batches).
+folder) -> ``channel_mask`` (ChannelMask) -> ``fit`` (does a mask fit a model), ``estimate``, ``capacity``
+(any config, per sequence, batches).
 """
 
 from .binarize import binarize, check_ratio_align
 from .channel_mask import ChannelMask
+from .fit import check_fit
 from .folder import check_mask_target, is_mask_repo, write_mask_folder
 from .format import (
     ALLOW_PATTERNS,
@@ -28,6 +30,7 @@ __all__ = [
     "MaskError",
     "binarize",
     "check_config_overrides",
+    "check_fit",
     "check_mask_target",
     "check_ratio_align",
     "dense_layers_of",

@@ -11,41 +11,14 @@ Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
 from __future__ import annotations
 
 import os
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..decode.cache import LeanKCache
-from ..mask import ChannelMask, MaskError
+from ..mask import ChannelMask, check_fit
 from . import generation as _generation
 from .loading import load_mask_base_model
-
-
-def _config_differences(config: Any, overrides: dict[str, Any]) -> list[str]:
-    """``"name: model has X, mask wants Y"`` for each override the model's config does not carry; a
-    dict override (``rope_parameters``) counts as carried when each of its keys has the wanted value
-    (transformers adds defaults of its own to such dicts)."""
-
-    def carried(have: Any, want: Any) -> bool:
-        if isinstance(want, dict):
-            return isinstance(have, dict) and all(carried(have.get(k), v) for k, v in want.items())
-        return have == want
-
-    out = []
-    for name, want in overrides.items():
-        have = getattr(config, name, None)
-        if not carried(have, want):
-            out.append(f"{name}: model has {have!r}, mask wants {want!r}")
-    return out
-
-
-def _same_model_id(a: str | None, b: str | None) -> bool:
-    """Whether two base-model ids can be compared and agree (local paths are not comparable: True)."""
-    if not a or not b or Path(a).exists() or Path(b).exists():
-        return True
-    return a.strip("/").lower() == b.strip("/").lower()
 
 
 class LeanKModel:
@@ -89,30 +62,18 @@ class LeanKModel:
         Config attributes the mask was learned with (``mask.config_overrides``, e.g. YaRN's
         ``rope_parameters``) are set at load; ``hf_kwargs`` of the same name win.
 
-        With ``model=`` given, that model is used as is: its shape must fit the mask, and its Hub
-        id must be the mask's ``base_model`` (else ``MaskError``, before the model is touched).
-        A fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which
-        turns the name check into a warning.
+        With ``model=`` given, that model is used as is: it must fit the mask
+        (:func:`~leank_infer.mask.fit.check_fit`: its shape, its Hub id, no adapter the model may
+        lack, the config overrides carried; else ``MaskError``, before the model is touched). A
+        fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which turns
+        the identity checks into a warning.
         """
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
             model, loaded_tokenizer = load_mask_base_model(mask, **hf_kwargs)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
-            mask.validate(model.config)
-            name = getattr(model.config, "_name_or_path", None)
-            if not _same_model_id(mask.base_model, name):
-                message = f"the mask was trained for {mask.base_model!r} but the given model is {name!r}"
-                if check_base_model:
-                    raise MaskError(f"{message} (pass check_base_model=False to use it anyway)")
-                warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
-            differ = _config_differences(model.config, mask.config_overrides)
-            if differ:
-                warnings.warn(
-                    f"the mask was learned with config overrides the given model lacks ({'; '.join(differ)}): "
-                    "load it with them (they are kwargs of from_pretrained) or pass model=None",
-                    stacklevel=2,
-                )
+            check_fit(mask, model.config, [getattr(model.config, "_name_or_path", None)], check_base_model)
         return cls(model, mask, tokenizer, dense_until=dense_until)
 
     # ---- decoding ------------------------------------------------------------------------------

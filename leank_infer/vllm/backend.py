@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from ..mask import ChannelMask, MaskError
 from . import kernels
 from .paged_reference import reference_attention, request_kv
-from .pool import PACKED_SUFFIX, WINDOW_SUFFIX, DEFAULT_BLOCK_SIZE, LayerSlot, WorkerPlan, kv_specs
+from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
 from .stores import LeanKBuilder, Store, WindowBackend
 
@@ -180,7 +180,12 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
     (it would serve dense attention silently), plans the pages, registers the stores and makes
     each LeanK layer share the packed store's cache.
     """
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+    from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
@@ -204,8 +209,10 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
     order = sorted(layers)
     cache = vllm_config.cache_config
     block = cache.block_size if getattr(cache, "user_specified_block_size", False) else DEFAULT_BLOCK_SIZE
+    pp = get_pp_group().world_size
+    stages = [list(range(*get_pp_indices(mask.num_layers, r, pp))) for r in range(pp)]
     plan = WorkerPlan.build(
-        mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block
+        mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages
     )
     first_name, first = layers[order[0]]
     if plan.num_kv_heads != first.impl.num_kv_heads:

@@ -15,8 +15,9 @@ holds all of them side by side in one row (one group, any mix of kept counts, no
 tensor-parallel one below), and the window stores hold as many layers' full rows as fit in a packed
 page, padded to it. The model's attention layers share the packed store's cache and block table
 through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
-columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask, and a layer's
-packed width is the widest any rank needs, so all ranks have the same pages and groups.
+columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
+out in its own row; the row is as wide as the widest rank's (all ranks must have the same pages), so
+a rank whose heads keep fewer channels over the whole model pads the end of its row.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class LayerSlot:
     layer: int  # model layer index
     layout: PackedLayout  # this rank's kept channels
     packed_offset: int  # first column of the layer's packed row in a packed-store row
-    packed_width: int  # its columns there (the widest rank's width; the rest of a narrower rank's is padding)
+    packed_width: int  # its columns there
     window_store: int  # which window store holds the layer's full rows
     window_offset: int  # first column of its full row (K then V, ``2 * heads * head_dim``) in that store's row
 
@@ -86,8 +87,14 @@ class WorkerPlan:
         tp_size: int = 1,
         tp_rank: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        stages: list[list[int]] | None = None,
     ) -> WorkerPlan:
-        """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``."""
+        """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``.
+
+        ``stages``: the layers of every pipeline stage (default: this worker's only). Every worker of
+        the engine must have the same page size, so the packed row is the widest any (stage, rank)
+        needs, and the window stores are cut from it the same way everywhere.
+        """
         total_heads, head_dim = mask.num_kv_heads, mask.head_dim
         ranks = [kv_heads_of_rank(total_heads, tp_size, r) for r in range(tp_size)]
         mine = ranks[tp_rank]
@@ -95,10 +102,15 @@ class WorkerPlan:
         offset = 0
         full = 2 * len(mine) * head_dim
         for layer in layers:
-            keep = mask.keep[layer]
-            width = max(packed_width(keep[r]) for r in ranks)
-            slots[layer] = LayerSlot(layer, PackedLayout.from_keep(keep[mine]), offset, max(width, 1), 0, 0)
-            offset += max(width, 1)
+            width = max(1, packed_width(mask.keep[layer][mine]))  # a layer keeping nothing still has a column
+            slots[layer] = LayerSlot(layer, PackedLayout.from_keep(mask.keep[layer][mine]), offset, width, 0, 0)
+            offset += width
+        # every rank lays its own layers out; the row is the widest (stage, rank)'s: the pages must be equal
+        offset = max(
+            sum(max(1, packed_width(mask.keep[layer][r])) for layer in stage)
+            for stage in (stages or [layers])
+            for r in ranks
+        )
         per_store = max(1, offset // full)  # full rows that fit in a packed row
         stores = tuple(tuple(layers[i : i + per_store]) for i in range(0, len(layers), per_store))
         for j, store in enumerate(stores):

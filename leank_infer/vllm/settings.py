@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..mask import ChannelMask, MaskError
+from ..mask import ChannelMask, MaskError, check_fit
 
 ENV_MASK = "LEANK_MASK"
 KEY_MASK = "leank_mask"
@@ -65,18 +64,13 @@ def settings_from(additional_config: Any) -> LeanKSettings | None:
     return LeanKSettings(mask, revision, check)
 
 
-def _same_model_id(a: str | None, b: str | None) -> bool:
-    from ..model.leank_model import _same_model_id as same
-
-    return same(a, b)
-
-
 def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str | None = None) -> ChannelMask:
     """Load the mask once per process and check it fits the served model (else one MaskError).
 
-    The checks are those of ``LeanKModel.from_pretrained`` with ``model=``: shape, sliding-window
-    layers left whole, and the base-model id (a local model folder is not comparable by name: its
-    config's ``_name_or_path`` is used when it names a Hub id).
+    The check is the transformers path's (:func:`~leank_infer.mask.fit.check_fit`): shape, sliding-window
+    layers left whole, the base-model id (the served name or the config's ``_name_or_path``; a local
+    folder is not comparable by name), no PEFT adapter the served model may lack, and the config
+    overrides the mask was learned with (serve with ``--hf-overrides``).
     """
     key = (settings.mask, settings.revision)
     with _lock:
@@ -85,13 +79,10 @@ def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str 
             mask = ChannelMask.from_pretrained(settings.mask, revision=settings.revision)
             _loaded[key] = mask
     try:
-        mask.validate(hf_config)
+        check_fit(
+            mask, hf_config, [served_name, getattr(hf_config, "_name_or_path", None)], settings.check_base_model,
+            opt_out=f'set additional_config {{"{KEY_CHECK}": false}}',
+        )  # fmt: skip
     except MaskError as e:
         raise MaskError(f"LeanK mask {settings.mask!r}: {e}") from None
-    names = [n for n in (served_name, getattr(hf_config, "_name_or_path", None)) if n]
-    if names and not any(_same_model_id(mask.base_model, n) for n in names):
-        message = f"the LeanK mask {settings.mask!r} was trained for {mask.base_model!r} but vLLM serves {names[0]!r}"
-        if settings.check_base_model:
-            raise MaskError(f'{message} (set additional_config {{"{KEY_CHECK}": false}} to serve it anyway)')
-        warnings.warn(f"{message}; shapes fit, so it is used as requested", stacklevel=2)
     return mask
