@@ -33,7 +33,7 @@ from . import kernels
 from .paged_reference import reference_attention, request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
-from .stores import LeanKBuilder, Store, WindowBackend
+from .stores import PackedBackend, Store, WindowBackend
 
 _NO_WINDOW = (-1, None, (-1, -1))  # how vLLM's CPU and Triton implementations spell "no sliding window"
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -220,7 +220,7 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
             f"LeanK plan has {plan.num_kv_heads} KV heads per rank, vLLM's layer has {first.impl.num_kv_heads}"
         )
     packed_spec, window_spec = kv_specs(plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype))
-    backend = LeanKBackend
+    backend = PackedBackend
     packed_name = f"{first_name}.{PACKED_SUFFIX}"
     Store(packed_name, packed_spec, backend, vllm_config)
     windows = [
@@ -248,32 +248,3 @@ class LeanKCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[LeanKCPUAttentionImpl]:
         return LeanKCPUAttentionImpl
-
-
-class LeanKBackend(CPUAttentionBackend):
-    """The backend of LeanK layers and of the packed store once a mask is planned: LeanK metadata."""
-
-    forward_includes_kv_cache_update: bool = True
-    supported_kv_cache_dtypes = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
-
-    @staticmethod
-    def get_name() -> str:
-        return "LEANK"
-
-    @staticmethod
-    def get_impl_cls() -> type[LeanKCPUAttentionImpl]:
-        return LeanKCPUAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[LeanKBuilder]:
-        return LeanKBuilder
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> None:
-        return None
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        from vllm.v1.attention.backend import MultipleOf
-
-        return [MultipleOf(1)]

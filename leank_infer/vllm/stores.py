@@ -92,8 +92,9 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         )
 
 
-class _StoreBackend(AttentionBackend):
-    """Backend of a store: metadata only (a store has no forward)."""
+class StoreBackend(AttentionBackend):
+    """Backend of a store, and of the LeanK layers once they share the packed store: metadata only
+    (their attention is the implementation vLLM built them with)."""
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
@@ -105,7 +106,7 @@ class _StoreBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> Any:
-        raise NotImplementedError("a LeanK store has no attention of its own")
+        raise NotImplementedError("LeanK's stores have no attention of their own")
 
     @staticmethod
     def get_kv_cache_shape(*args: Any, **kwargs: Any) -> tuple[int, ...]:
@@ -116,7 +117,7 @@ class _StoreBackend(AttentionBackend):
         return []
 
 
-class WindowBackend(_StoreBackend):
+class WindowBackend(StoreBackend):
     @staticmethod
     def get_name() -> str:
         return "LEANK_WINDOW"
@@ -124,6 +125,16 @@ class WindowBackend(_StoreBackend):
     @staticmethod
     def get_builder_cls() -> type[WindowBuilder]:
         return WindowBuilder
+
+
+class PackedBackend(StoreBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "LEANK"
+
+    @staticmethod
+    def get_builder_cls() -> type[LeanKBuilder]:
+        return LeanKBuilder
 
 
 class Store(torch.nn.Module, AttentionLayerBase):

@@ -1,0 +1,144 @@
+"""The window pages' manager in vLLM's own block pool: the sink stays, the gap is never held, hits need the sink."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
+
+from leank_infer.vllm.kv_specs import LeanKWindowManager, LeanKWindowSpec, register  # noqa: E402
+
+BS, SINK, WINDOW = 16, 16, 80  # the embedded masks: sink 16, recent 64 + accumu 16
+
+
+def spec(sink: int = SINK) -> LeanKWindowSpec:
+    import torch
+
+    return LeanKWindowSpec(
+        block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.float32, sliding_window=WINDOW, sink_len=sink
+    )
+
+
+def manager(num_blocks: int = 200, caching: bool = True, sink: int = SINK) -> LeanKWindowManager:
+    register()
+    pool = BlockPool(num_blocks, enable_caching=caching, hash_block_size=BS)
+    return LeanKWindowManager(
+        spec(sink), block_pool=pool, enable_caching=caching, kv_cache_group_id=0, scheduler_block_size=BS
+    )
+
+
+def real(blocks) -> list[int]:
+    return [i for i, b in enumerate(blocks) if not b.is_null]
+
+
+def step(m: LeanKWindowManager, rid: str, computed: int, n: int) -> int:
+    """One scheduler step of ``n`` tokens after ``computed``: free, count, allocate (as vLLM's coordinator)."""
+    m.remove_skipped_blocks(rid, computed)
+    want = m.get_num_blocks_to_allocate(rid, computed + n, [], computed, 0, computed + n)
+    free = m.block_pool.get_num_free_blocks()
+    got = m.allocate_new_blocks(rid, computed + n, computed + n)
+    assert free - m.block_pool.get_num_free_blocks() == want == sum(not b.is_null for b in got)
+    return want
+
+
+def test_a_long_prefill_chunk_holds_only_the_sink_and_the_next_window():
+    m = manager()
+    m.num_cached_block["r"] = 0  # a running request (vLLM's fast path)
+    step(m, "r", 0, 1000)
+    blocks = m.req_to_blocks["r"]
+    assert len(blocks) == cdiv(1000, BS)
+    first_window = (1000 - WINDOW + 1) // BS  # the next query (position 1000) reads from 921 on
+    assert real(blocks) == [0, *range(first_window, len(blocks))]
+
+
+@pytest.mark.parametrize("prompt", [300, 20])  # a gap from the start, or one that opens while decoding
+def test_decoding_frees_the_gap_and_keeps_the_sink(prompt):
+    m = manager()
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, prompt)
+    for p in range(prompt, 500):
+        step(m, "r", p, 1)
+        blocks = m.req_to_blocks["r"]
+        kept = real(blocks)
+        assert kept[0] == 0  # the sink block
+        # every position a query at p + 1 scores with every channel is in a real block
+        lo = max(SINK, p + 1 - WINDOW + 1)
+        assert all(not blocks[q // BS].is_null for q in range(lo, p + 1))
+        # and nothing but the sink and that window is held
+        assert len(kept) <= 1 + cdiv(WINDOW, BS) + 1
+    assert len(kept) <= m.kv_cache_spec.max_admission_blocks_per_request(8192, 4096)
+
+
+def test_a_sink_larger_than_a_block_stays_whole():
+    m = manager(sink=40)
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, 500)
+    for p in range(500, 540):
+        step(m, "r", p, 1)
+    assert real(m.req_to_blocks["r"])[:3] == [0, 1, 2]
+
+
+def test_freeing_a_request_returns_every_block():
+    m = manager(num_blocks=50)
+    before = m.block_pool.get_num_free_blocks()
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, 400)
+    step(m, "r", 400, 1)
+    m.free("r")
+    assert m.block_pool.get_num_free_blocks() == before
+
+
+def _cache(m: LeanKWindowManager, hashes: list[bytes], which: list[int]) -> None:
+    """Register blocks ``which`` of a request as cached under ``hashes`` (as cache_full_blocks would)."""
+    pool = m.block_pool
+    for i in which:
+        block = pool.get_new_blocks(1)[0]
+        pool._insert_block_hash(make_block_hash_with_group_id(hashes[i], 0), block, BS)
+        pool.free_blocks([block])  # cached but free: an eviction candidate, as after a request finished
+
+
+def _hit(m: LeanKWindowManager, hashes: list[bytes], max_length: int) -> tuple[list, int]:
+    computed, length = LeanKWindowManager.find_longest_cache_hit(
+        hashes, max_length, [0], m.block_pool, m.kv_cache_spec, False, BS
+    )
+    return computed[0], length
+
+
+def test_a_hit_needs_the_sink_and_the_window_before_it():
+    m = manager()
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    _cache(m, hashes, list(range(40)))
+    blocks, length = _hit(m, hashes, 40 * BS)
+    assert length == 40 * BS
+    assert not blocks[0].is_null  # the sink is part of the hit
+    assert all(not blocks[i].is_null for i in range(40 - cdiv(WINDOW - 1, BS), 40))
+
+
+def test_a_hit_without_the_sink_shrinks_to_what_is_cached_from_the_start():
+    """The window before the boundary is cached but the sink block was evicted: no window-only hit."""
+    m = manager()
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    _cache(m, hashes, list(range(30, 40)))  # the sliding-window manager alone would hit at 40 blocks
+    blocks, length = _hit(m, hashes, 40 * BS)
+    assert length == 0 and blocks == []
+    m2 = manager()
+    _cache(m2, hashes, [0, 1, 2, *range(30, 40)])
+    _, length = _hit(m2, hashes, 40 * BS)
+    assert length == 40 * BS  # sink (block 0) and the window: a hit
+
+
+def test_adding_a_hit_keeps_sink_and_window_and_touches_only_them():
+    m = manager()
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    _cache(m, hashes, list(range(40)))
+    blocks, length = _hit(m, hashes, 40 * BS)
+    free = m.block_pool.get_num_free_blocks()
+    m.add_local_computed_blocks("r", blocks, length, 0)
+    held = real(m.req_to_blocks["r"])
+    assert held[0] == 0 and held[1:] == list(range((length - WINDOW + 1) // BS, 40))
+    # cached free blocks the request now holds left the free queue: only sink + window
+    assert free - m.block_pool.get_num_free_blocks() == len(held)
