@@ -21,18 +21,11 @@ pytest.importorskip(
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-MASK = str(ROOT / "hub" / "smollm2-135m-instruct")
-# One engine shape for every test: fp32 like the HF reference, 1 GiB of KV, whole-prompt prefill.
+MASK = str(ROOT / "hub" / "smollm2-135m-instruct-s3")  # the recommended 0.7 mask (whole heads)
+# One engine shape for every test: fp32 like the HF reference, 1 GiB of KV, and otherwise vLLM's defaults
+# (prefix caching and chunked prefill on): naming a mask is the only change.
 KV_SPACE_GIB = 1
-ENGINE = dict(
-    dtype="float32",
-    max_model_len=4096,
-    max_num_batched_tokens=4096,
-    max_num_seqs=8,
-    enforce_eager=True,
-    enable_prefix_caching=False,
-    enable_chunked_prefill=False,
-)
+ENGINE = dict(dtype="float32", max_model_len=4096, max_num_seqs=8)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_SPACE_GIB))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,7 +45,7 @@ def embedded_dir() -> Path:
 
 
 def reference_tokens(prompts: list[list[int]], max_new_tokens: int, mask: str = MASK) -> list[list[int]]:
-    """``LeanKModel.generate`` greedy tokens, each prompt alone, from the main environment."""
+    """``LeanKModel(rule="positional").generate`` greedy tokens, each prompt alone, from the main environment."""
     python = os.environ.get("LEANK_REF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     if not Path(python).exists():
         pytest.skip(f"no main environment at {python} for the LeanKModel reference (set LEANK_REF_PYTHON)")
@@ -98,10 +91,10 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def leank_llm(model_dir):
-    """One LeanK engine for the session (vLLM loads are slow on a shared CPU)."""
+    """One LeanK engine for the session (vLLM loads are slow on a shared CPU), stats on (preemptions, hits)."""
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)
     yield llm
     del llm
     gc.collect()

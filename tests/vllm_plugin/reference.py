@@ -1,4 +1,4 @@
-"""Greedy tokens of ``LeanKModel.generate`` for the vLLM tests, run in the main environment.
+"""Greedy tokens of ``LeanKModel.generate`` under the positional rule (the vLLM plugin's), in the main environment.
 
 The vLLM environment pins transformers <5.20, where ``generate()`` does not take ``cache=``
 (DESIGN.md, known pitfalls); the reference therefore runs in the project's main environment:
@@ -20,7 +20,7 @@ from leank_infer import LeanKModel
 def main() -> None:
     job = json.load(sys.stdin)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
-    m = LeanKModel.from_pretrained(job["mask"], model=model)
+    m = LeanKModel.from_pretrained(job["mask"], model=model, rule="positional")
     tokens = []
     for ids in job["prompts"]:
         x = torch.tensor([ids])
