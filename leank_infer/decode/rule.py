@@ -57,6 +57,17 @@ def training_recent_from(query_pos: torch.Tensor, recent_size: int) -> torch.Ten
     return query_pos - recent_size
 
 
+def positional_recent_from(query_pos: torch.Tensor | int, recent_size: int, accumu_size: int) -> torch.Tensor | int:
+    """First full recent key of a query at ``query_pos`` under the positional rule (vLLM's, and the HF
+    path's ``rule="positional"``): ``recent_size`` keys back, rounded down to a multiple of
+    ``accumu_size``. It depends on the position alone, so chunked, unchunked, cached and recomputed
+    prefills see the same keys; a query sees between ``recent_size + 1`` and ``recent_size +
+    accumu_size`` recent keys with every channel, and the window moves ``accumu_size`` tokens at a time."""
+    if isinstance(query_pos, int):
+        return (query_pos - recent_size) // accumu_size * accumu_size
+    return torch.div(query_pos - recent_size, accumu_size, rounding_mode="floor") * accumu_size
+
+
 def prefill_recent_from(prefill_len: int, recent_size: int) -> int:
     """After a prefill of ``prefill_len`` tokens, the full recent part starts here (docs/rule.md, "The decode schedule")."""
     return max(0, prefill_len - recent_size)
