@@ -1,5 +1,5 @@
 """The LeanK rule's small pieces on their own (leank_infer/rule.py), against values worked out by hand or
-from LEANK.md's description; the decode and training tests exercise them only through their callers."""
+from docs/rule.md ("Exact boundaries", "The decode schedule"); the decode and training tests exercise them only through their callers."""
 
 import math
 
@@ -53,7 +53,7 @@ def test_prefill_recent_from_keeps_the_last_recent_size_tokens_full():
 
 
 def _schedule_by_loop(prefill: int, length: int, recent: int, accumu: int) -> int:
-    """LEANK.md's decode schedule, token by token: while the full recent part holds more than
+    """The decode schedule of docs/rule.md, token by token: while the full recent part holds more than
     recent + accumu keys, its oldest accumu keys go to the middle."""
     start = max(0, prefill - recent)
     for n in range(prefill, length + 1):  # before the token that makes the cache n + 1 long

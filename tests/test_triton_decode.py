@@ -1,6 +1,6 @@
 """The Triton decode kernel against the PyTorch reference, on triton's CPU interpreter.
 
-fp16 and fp32 only: under TRITON_INTERPRET=1, tl.dot of bf16 operands is wrong (DESIGN.md,
+fp16 and fp32 only: under TRITON_INTERPRET=1, tl.dot of bf16 operands is wrong (docs/architecture.md,
 "Known pitfalls"); bf16 is checked on a GPU by benchmarks/kernel.py. Shapes are tiny: the
 interpreter runs every program in numpy.
 """

@@ -24,7 +24,7 @@ K/V and its attention is the model's dense one, no memory saved; the first forwa
 compresses the layer to exactly the state the schedule would have reached (the middle is
 ``[head, recent_start)``, the schedule's ``recent_start`` is tracked all along) and decodes by the
 LeanK rule from then on. On a CPU at batch 1 below ~1.5k tokens the dense step is the faster one
-(see the README's speed table); the saving then starts at ``dense_until`` tokens.
+(docs/speed.md); the saving then starts at ``dense_until`` tokens.
 """
 
 from __future__ import annotations

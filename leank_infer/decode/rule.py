@@ -5,7 +5,7 @@ This module is the only place the rule is computed. The training reference
 (:mod:`leank_infer.decode.layout`) and every decode backend get their regions from :func:`key_regions`;
 the scale, the soft-cap and the GQA reshape they share live here too.
 
-The rule (LEANK.md, "Exact boundaries"), in padded coordinates: a row whose first real token is
+The rule (docs/rule.md, "Exact boundaries"), in padded coordinates: a row whose first real token is
 at ``start`` (left padding), and a query at position ``p`` whose full recent part begins at
 ``recent_from``, see
 
@@ -69,7 +69,7 @@ def positional_recent_from(query_pos: torch.Tensor | int, recent_size: int, accu
 
 
 def prefill_recent_from(prefill_len: int, recent_size: int) -> int:
-    """After a prefill of ``prefill_len`` tokens, the full recent part starts here (LEANK.md)."""
+    """After a prefill of ``prefill_len`` tokens, the full recent part starts here (docs/rule.md, "The decode schedule")."""
     return max(0, prefill_len - recent_size)
 
 

@@ -31,7 +31,7 @@ class LeanKModel:
     ``dense_until`` (tokens, default 0 = off) trades memory for speed at short contexts: a sequence
     decodes dense, keeping every channel, until it holds that many tokens, then compresses and
     follows the LeanK rule (see :class:`~leank_infer.decode.cache.LeanKCache`). On a CPU at batch 1 the
-    dense step is faster below ~1.5k tokens; the README's speed table measures where.
+    dense step is faster below ~1.5k tokens; docs/speed.md measures where.
     """
 
     def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0):

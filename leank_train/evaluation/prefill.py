@@ -1,6 +1,6 @@
 """One dense prefill per batch of probes, shared by every method, and greedy decoding from it.
 
-LeanK prefills with full attention (LEANK.md): the prompt's forward, its K/V and its first answer token
+LeanK prefills with full attention (docs/rule.md, "The decode schedule"): the prompt's forward, its K/V and its first answer token
 are the same for the full model, the learned mask and both baselines. Only what the cache keeps of those
 K/V differs, and so the decode steps. So a batch of left-padded prompts is prefilled once, dense; each
 method then gets a cache filled from those K/V (a ``DynamicCache`` for the full model, a ``LeanKCache``
