@@ -1,14 +1,16 @@
-"""vLLM + LeanK on the embedded SmolLM2: capacity, exact greedy decoding, batching, start-up errors."""
+"""vLLM + LeanK on the embedded SmolLM2 with vLLM's defaults: the pool, exact greedy decoding, prefix caching,
+chunked prefill, preemption, start-up errors."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
 import pytest
 import torch
 
-from .conftest import ENGINE, MASK, plain_kv_tokens, reference_tokens
+from .conftest import ENGINE, KV_SPACE_GIB, MASK, plain_kv_tokens, reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -16,69 +18,135 @@ NEW_TOKENS = 12
 LENGTHS = (330, 760, 1250)  # sink 16 + recent 64 + accumu 16: every prompt has a long pruned middle
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    """Prose prompts of several lengths (token ids, so vLLM and transformers see the same input)."""
+def prose(tokenizer) -> list[int]:
     import pydoc_data.topics
 
     text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    ids = tokenizer(text).input_ids
+    return tokenizer(text).input_ids
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Prose prompts of several lengths (token ids, so vLLM and transformers see the same input)."""
+    ids = prose(tokenizer)
     question = tokenizer("\n\nIn one sentence, what is the text above about?").input_ids
     return [ids[1000 * i : 1000 * i + n] + question for i, n in enumerate(LENGTHS)]
 
 
-def generate(llm, prompts: list[list[int]]) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def shared(tokenizer) -> list[list[int]]:
+    """One 1,500-token document, three questions about it: what a RAG or chat server sees."""
+    doc = prose(tokenizer)[5000:6500]
+    asks = ["\n\nWhat is the first topic above?", "\n\nName one keyword used above.", "\n\nSummarise the above."]
+    return [doc + tokenizer(a).input_ids for a in asks]
+
+
+def generate(llm, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in run(llm, prompts, n)]
+
+
+def run(llm, prompts: list[list[int]], n: int = NEW_TOKENS) -> list:
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-def backend_impls(llm):
-    """The LeanK attention implementations of the in-process engine's model, by layer."""
-    from leank_infer.vllm.backend import LeanKCPUAttentionImpl
+def leank_impls(llm) -> list:
+    """The LeanK attention implementations of the in-process engine's model."""
+    from leank_infer.vllm.backend import LeanKAttentionMixin
 
     ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    return [
-        layer.impl
-        for layer in ctx.values()
-        if isinstance(getattr(layer, "impl", None), LeanKCPUAttentionImpl)
-    ]
+    return [m.impl for m in ctx.values() if isinstance(getattr(m, "impl", None), LeanKAttentionMixin)]
 
 
-def test_kv_capacity_grows_by_the_bytes_ratio(leank_llm):
-    from leank_infer import ChannelMask
-
-    tokens = leank_llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
-    ratio = ChannelMask.from_pretrained(MASK).stats(dtype=torch.float32)["bytes_per_token"]["ratio"]
-    plain = plain_kv_tokens()
-    # vLLM's own count, from the pages LeanK gave it: the dense count over the mask's bytes ratio
-    assert tokens == pytest.approx(plain / ratio, rel=0.02), (tokens, plain, ratio)
-    assert tokens >= 1.8 * plain
-    impls = backend_impls(leank_llm)
-    assert len(impls) == 30 and all(i.layout is not None for i in impls)
+def counter(llm, name: str) -> float:
+    """A vLLM metric's value (e.g. ``vllm:num_preemptions``), summed over its labels."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
 
-def test_greedy_equals_leank_model_generate(leank_llm, prompts):
-    """Concurrent requests of different lengths, token for token equal to LeanKModel.generate (each alone)."""
+def test_every_leank_byte_is_in_vllms_pool_and_its_report(leank_llm):
+    """The KV cache size vLLM reports counts the packed and the window pages, and nothing lives outside."""
+    from vllm.utils.math_utils import cdiv
+
+    from leank_infer.vllm.pool import kv_specs
+
+    cfg = leank_llm.llm_engine.vllm_config
+    impls = leank_impls(leank_llm)
+    assert len(impls) == 30 and all(i.slot is not None for i in impls)
+    plan = impls[0].plan
+    packed, window = kv_specs(plan, torch.float32)
+    num_blocks = cfg.cache_config.num_gpu_blocks
+    assert num_blocks == KV_SPACE_GIB * 2**30 // packed.page_size_bytes  # one pool, one page size
+    per_request = cdiv(cfg.model_config.max_model_len, plan.block_size) + len(plan.window_layers) * (
+        window.max_memory_usage_bytes(cfg) // window.page_size_bytes
+    )
+    assert cfg.cache_config.kv_cache_size_tokens == int(num_blocks / per_request * cfg.model_config.max_model_len)
+    assert cfg.cache_config.kv_cache_size_tokens >= 1.8 * plain_kv_tokens()
+    # every tensor LeanK reads or writes is a view of vLLM's one KV tensor: no side store
+    pool = {i.window_store.kv_cache.untyped_storage().data_ptr() for i in impls}
+    ctx = cfg.compilation_config.static_forward_context
+    pool |= {ctx[name].kv_cache.untyped_storage().data_ptr() for name in ctx if name.endswith("leank_packed")}
+    assert len(pool) == 1
+    assert not any(isinstance(v, (dict, list)) and v for i in impls for v in vars(i).values() if v is not i.vllm_config)
+
+
+def test_greedy_equals_leank_model_positional(leank_llm, prompts):
+    """Concurrent requests of different lengths, token for token equal to LeanKModel(rule="positional")."""
     batched = generate(leank_llm, prompts)
-    want = reference_tokens(prompts, NEW_TOKENS)
-    assert batched == want
-    # the same requests one at a time give the same tokens as the batch
-    assert [generate(leank_llm, [p])[0] for p in prompts[:2]] == batched[:2]
+    assert batched == reference_tokens(prompts, NEW_TOKENS)
+    assert [generate(leank_llm, [p])[0] for p in prompts[:2]] == batched[:2]  # alone = in a batch
 
 
-def test_side_store_holds_only_sink_and_recent(leank_llm, prompts):
-    """Full-channel K/V beside the pages: sink + recent + accumu + 1 tokens at most, finished requests dropped."""
-    generate(leank_llm, prompts)
-    generate(leank_llm, prompts[-1:])
-    for impl in backend_impls(leank_llm):
-        m = impl.mask
-        assert len(impl.states) == 1  # the requests of the first call finished: their state is gone
-        (st,) = impl.states.values()
-        assert st.length == len(prompts[-1]) + NEW_TOKENS - 1  # the last sampled token is never fed back
-        assert st.head_k.shape[0] + st.tail_k.shape[0] <= m.sink_size + m.recent_size + m.accumu_size + 1
+def test_a_prefix_cache_hit_equals_a_miss(leank_llm, shared):
+    """Requests sharing a long document hit vLLM's prefix cache; their tokens equal an uncached run's."""
+    leank_llm.reset_prefix_cache()
+    first = run(leank_llm, shared[:1])
+    hits = run(leank_llm, shared[1:])
+    assert all(o.num_cached_tokens >= 1024 for o in hits), [o.num_cached_tokens for o in hits]
+    leank_llm.reset_prefix_cache()
+    misses = [run(leank_llm, [p])[0] for p in shared[1:]]
+    assert [o.num_cached_tokens for o in misses] == [0, 0]
+    assert [list(o.outputs[0].token_ids) for o in hits] == [list(o.outputs[0].token_ids) for o in misses]
+    assert list(first[0].outputs[0].token_ids) == reference_tokens(shared[:1], NEW_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def unchunked(leank_llm, shared, prompts) -> list[list[int]]:
+    """The default engine's tokens: vLLM's default budget (8,192 tokens a step) prefills these whole."""
+    assert leank_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens >= 2 * 1600
+    leank_llm.reset_prefix_cache()
+    return generate(leank_llm, shared + prompts)
+
+
+@pytest.mark.parametrize("budget", [256, 1024])
+def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget):
+    """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, max_num_batched_tokens=budget, **ENGINE)
+    try:
+        assert generate(llm, shared + prompts) == unchunked
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_preemption_and_resumption_are_exact(model_dir, prompts, unchunked, shared):
+    """A pool too small for every request at once: vLLM preempts and recomputes; the tokens do not change."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir), additional_config={"leank_mask": MASK}, num_gpu_blocks_override=260,
+        disable_log_stats=False, **ENGINE,
+    )  # fmt: skip
+    try:
+        got = generate(llm, shared + prompts, NEW_TOKENS)
+        assert counter(llm, "vllm:num_preemptions") > 0, "the pool was large enough: nothing was preempted"
+        assert got == unchunked
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_mask_for_another_model_fails_at_start(model_dir, tmp_path):
@@ -113,27 +181,3 @@ def test_damaged_and_missing_masks_are_one_clear_error(tmp_path):
     (bad / "config.json").write_text(json.dumps({"format_version": 99}))
     with pytest.raises(MaskError, match="format_version"):
         load_checked_mask(settings_from({"leank_mask": str(bad)}), cfg)
-
-
-def test_engine_settings_leank_cannot_serve_are_refused():
-    from types import SimpleNamespace
-
-    from leank_infer import MaskError
-    from leank_infer.vllm.backend import check_engine
-
-    def config(prefix=False, chunked=False, tp=1, dtype="auto"):
-        return SimpleNamespace(
-            cache_config=SimpleNamespace(enable_prefix_caching=prefix, cache_dtype=dtype),
-            scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-        )
-
-    check_engine(config())
-    for kwargs, words in (
-        ({"prefix": True}, "no-enable-prefix-caching"),
-        ({"chunked": True}, "no-enable-chunked-prefill"),
-        ({"tp": 2}, "tensor parallelism"),
-        ({"dtype": "fp8"}, "quantised KV cache"),
-    ):
-        with pytest.raises(MaskError, match=words):
-            check_engine(config(**kwargs))

@@ -1,0 +1,85 @@
+"""How a vLLM worker lays out LeanK's pages (leank_infer.vllm.pool), and the one mask/model check: no vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leank_infer import ChannelMask, MaskError
+from leank_infer.vllm.pool import WorkerPlan, kv_heads_of_rank, packed_width
+from leank_infer.vllm.settings import load_checked_mask, settings_from
+
+from vllm_pages import random_mask
+
+
+def test_kv_heads_per_rank_split_or_replicate_as_vllm_does():
+    assert [kv_heads_of_rank(8, 4, r) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [kv_heads_of_rank(3, 3, r) for r in range(3)] == [[0], [1], [2]]
+    assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]  # replicated
+    with pytest.raises(MaskError, match="split"):
+        kv_heads_of_rank(3, 2, 0)
+
+
+def test_packed_rows_hold_every_layer_side_by_side():
+    mask = random_mask(4, 3, 64, [16, 0, 48])
+    plan = WorkerPlan.build(mask, [0, 1, 2, 3])
+    widths = [packed_width(mask.keep[layer]) for layer in range(4)]
+    assert [plan.slots[i].packed_offset for i in range(4)] == [sum(widths[:i]) for i in range(4)]
+    assert plan.packed_row == sum(widths)
+    # window stores: as many full rows as fit in a packed row, every layer in exactly one
+    full = 2 * 3 * 64
+    assert plan.window_row == max(1, plan.packed_row // full) * full <= max(plan.packed_row, full)
+    assert sorted(i for store in plan.window_layers for i in store) == [0, 1, 2, 3]
+    for i in range(4):
+        s = plan.slots[i]
+        assert s.window_offset == plan.window_layers[s.window_store].index(i) * full
+    assert plan.page_elements == plan.block_size * max(plan.packed_row, plan.window_row)
+
+
+def test_every_tensor_parallel_rank_keeps_its_heads_and_has_the_same_pages():
+    mask = random_mask(6, 3, 64, [64, 0, 16])
+    plans = [WorkerPlan.build(mask, list(range(6)), 3, r) for r in range(3)]
+    for r, plan in enumerate(plans):
+        for layer in range(6):
+            want = mask.keep[layer][r : r + 1]
+            assert torch.equal(plan.slots[layer].layout.k_index, torch.nonzero(want.reshape(-1)).flatten())
+            assert plan.slots[layer].packed_width == max(1, packed_width(want))
+        assert plan.num_kv_heads == 1
+    # the row is the widest rank's, the window cut the same everywhere: one page size for the engine
+    rows = [sum(max(1, packed_width(mask.keep[layer][r : r + 1])) for layer in range(6)) for r in range(3)]
+    assert {p.packed_row for p in plans} == {max(rows)}
+    assert len({(p.window_row, p.window_layers, p.page_elements) for p in plans}) == 1
+
+
+def test_pipeline_stages_share_one_page_size():
+    mask = random_mask(8, 3, 64, [64, 64, 16, 0])
+    stages = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    assert plans[0].packed_row == plans[1].packed_row == max(
+        sum(packed_width(mask.keep[layer]) for layer in stage) for stage in stages
+    )
+    assert set(plans[1].slots) == {4, 5, 6, 7} and plans[1].slots[4].packed_offset == 0
+
+
+def test_a_mask_that_fits_the_shape_but_not_the_model_is_refused_in_vllm_as_in_transformers(tmp_path):
+    """One check for both paths (mask.fit.check_fit): the base-model id, an adapter, config overrides."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    cfg._name_or_path = "org/x"
+    base = dict(sink_size=16, recent_size=64, accumu_size=16, base_model="org/x")
+    keep = torch.ones(30, 3, 64, dtype=torch.bool)
+    cases = {
+        "named": ChannelMask(keep, **{**base, "base_model": "org/other"}),
+        "adapter": ChannelMask(keep, adapter="org/lora", **base),
+        "yarn": ChannelMask(keep, config_overrides={"rope_parameters": {"rope_type": "yarn"}}, **base),
+    }
+    words = {"named": "trained for 'org/other'", "adapter": "PEFT adapter 'org/lora'", "yarn": "rope_parameters"}
+    for name, mask in cases.items():
+        mask.save_pretrained(tmp_path / name)
+        with pytest.raises(MaskError, match=words[name]):
+            load_checked_mask(settings_from({"leank_mask": str(tmp_path / name)}), cfg)
+        with pytest.warns(UserWarning, match=words[name]):
+            load_checked_mask(settings_from({"leank_mask": str(tmp_path / name), "leank_check_base_model": False}), cfg)
+    ChannelMask(keep, **base).save_pretrained(tmp_path / "fits")
+    assert load_checked_mask(settings_from({"leank_mask": str(tmp_path / "fits")}), cfg).num_layers == 30
