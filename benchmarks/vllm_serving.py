@@ -1,0 +1,141 @@
+"""Two serving workloads, plain vLLM vs vLLM + LeanK, each engine fresh, vLLM's defaults on.
+
+    .venv-vllm/bin/python benchmarks/vllm_serving.py [--mask hub/smollm2-135m-instruct-s3] [--kv-gib 1]
+        [--workloads prefix ttft] [--threads 2] [--json out.json]
+
+- ``prefix``: 32 requests sharing one 3,000-token document, each with its own question (what a RAG or
+  chat server with one system prompt sees), 16 new tokens each, all submitted at once. Prints the
+  wall time, output tokens/s and the prefix-cache hit rate (cached prompt tokens over prompt tokens,
+  from each request's ``num_cached_tokens``).
+- ``ttft``: a mixed load under chunked prefill: 8 requests decode (1,000-token prompts, 64 new tokens);
+  once they are decoding, 4 new requests of 3,000 tokens arrive. Prints each arrival's time to first
+  token and the decoders' output tokens/s while the arrivals prefill, driving the engine one
+  ``step()`` at a time (wall clock).
+
+The embedded SmolLM2-135M-Instruct (the de-quantised copy in ``~/.cache/leank``, offline), fp32, with
+``VLLM_CPU_KVCACHE_SPACE=--kv-gib`` and ``OMP_NUM_THREADS=--threads`` for both engines. The last thing
+printed is a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_capacity import model_dir  # noqa: E402
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(7919 * seed + 104729 * j) % 20000 + 100 for j in range(n)]
+
+
+def prefix(llm) -> dict:  # noqa: ANN001
+    from vllm import SamplingParams, TokensPrompt
+
+    doc = tokens(3000, 1)
+    prompts = [TokensPrompt(prompt_token_ids=doc + tokens(24, 100 + i)) for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    cached = sum(o.num_cached_tokens or 0 for o in outs)
+    total = sum(len(o.prompt_token_ids) for o in outs)
+    return {"wall_s": wall, "output_tok_s": 32 * 16 / wall, "hit_rate": cached / total}
+
+
+def ttft(llm) -> dict:  # noqa: ANN001
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    decode = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"d{i}", TokensPrompt(prompt_token_ids=tokens(1000, 10 + i)), decode)
+    produced: dict[str, int] = {}
+    while len([r for r, n in produced.items() if r.startswith("d") and n >= 2]) < 8:  # all decoding
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    arrive = time.perf_counter()
+    first: dict[str, float] = {}
+    for i in range(4):
+        engine.add_request(f"a{i}", TokensPrompt(prompt_token_ids=tokens(3000, 50 + i)), SamplingParams(max_tokens=1))
+    steps, decoded = [], 0
+    while len(first) < 4:
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        for out in outs:
+            if out.request_id.startswith("a") and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - arrive
+            elif out.request_id.startswith("d"):
+                n = len(out.outputs[0].token_ids)
+                decoded += n - produced.get(out.request_id, n)
+                produced[out.request_id] = n
+    while engine.has_unfinished_requests():
+        engine.step()
+    during = sum(steps)
+    return {
+        "ttft_s": sorted(first.values()),
+        "ttft_median_s": statistics.median(first.values()),
+        "decode_tok_s_during": decoded / during,
+    }
+
+
+def child(args: argparse.Namespace) -> None:
+    from vllm import LLM
+
+    extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
+    llm = LLM(model=model_dir(), dtype="float32", max_model_len=4096, **extra)
+    out = {"engine": "leank" if args.mask else "plain", "workload": args.workload}
+    out.update(prefix(llm) if args.workload == "prefix" else ttft(llm))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/vllm_serving.py", description=__doc__.splitlines()[0])
+    p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
+    p.add_argument("--kv-gib", type=int, default=1)
+    p.add_argument("--workloads", nargs="+", default=["prefix", "ttft"], choices=["prefix", "ttft"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "HF_HUB_OFFLINE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    rows = []
+    for workload in args.workloads:
+        for mask in ("", args.mask):
+            cmd = [sys.executable, __file__, "--child", "--workload", workload, "--mask", mask]
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+            if run.returncode or not line:
+                sys.exit(f"engine failed ({mask or 'plain'}, {workload}):\n{run.stderr[-4000:]}")
+            rows.append(json.loads(line[-1][7:]))
+            print(rows[-1], flush=True)
+    print(f"\nembedded SmolLM2-135M-Instruct, fp32, {args.kv_gib} GiB KV, {args.threads} threads, mask {args.mask}")
+    print("| workload | engine | result |")
+    print("|---|---|---|")
+    for r in rows:
+        if r["workload"] == "prefix":
+            text = f"{r['wall_s']:.1f} s, {r['output_tok_s']:.1f} output tok/s, prefix hit rate {r['hit_rate']:.2f}"
+        else:
+            text = (f"TTFT median {r['ttft_median_s']:.2f} s ({', '.join(f'{t:.2f}' for t in r['ttft_s'])}), "
+                    f"the 8 decoders {r['decode_tok_s_during']:.1f} tok/s meanwhile")  # fmt: skip
+        print(f"| {r['workload']} | {r['engine']} | {text} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
