@@ -13,7 +13,6 @@ import sys
 _TRITON_PREIMPORTED = "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not _TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["LEANK_TRITON_ON_CPU"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,18 +36,19 @@ def test_whole_file_in_a_fresh_process():
 
     if not _TRITON_PREIMPORTED:
         pytest.skip("this process already runs the kernels on the interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LEANK_TRITON_ON_CPU": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
 @pytest.fixture(autouse=True)
-def interpreted(request):
+def interpreted(request, monkeypatch):
     if _TRITON_PREIMPORTED and request.node.name != "test_whole_file_in_a_fresh_process":
         pytest.skip(
             "triton was imported before TRITON_INTERPRET=1: covered by test_whole_file_in_a_fresh_process"
         )
+    monkeypatch.setenv(triton_paged.ENV_CPU, "1")  # these tests only: CPU tensors through kernels.* to Triton
 
 
 def decode(pages, scale: float) -> torch.Tensor:
@@ -117,7 +117,9 @@ def test_fp8_pages(fp8, splits, monkeypatch):
     mask = random_mask(1, 2, 32, [0, 7, 32], seed=4)
     pages = random_pages(mask, [2, 70, 260], q_heads=4, fp8=fp8)
     assert pages.packed.dtype == torch.uint8 and (pages.k_scale, pages.v_scale) == (0.5, 2.0)
-    check(pages)
+    got = check(pages)
+    pages.packed, pages.window = pages.packed.view(pages.fp8), pages.window.view(pages.fp8)  # typed fp8 pages
+    assert torch.equal(decode(pages, 0.3), got)
 
 
 def test_padding_rows_give_zeros(monkeypatch):
@@ -230,3 +232,12 @@ def test_write_equals_the_pytorch_write(fmt, keep):
     raw = lambda t: t.view(torch.uint8)  # noqa: E731 - bytes: NaN slots compare equal
     assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))
     assert not torch.equal(raw(want_p), raw(packed)) and not torch.equal(raw(want_w), raw(window))
+
+
+def test_cpu_tensors_reach_triton_only_when_asked(monkeypatch):
+    """A CPU engine (or another test) keeps its own kernels: CPU tensors go to Triton only with
+    ``$LEANK_TRITON_ON_CPU=1`` (and the interpreter on)."""
+    x = torch.zeros(1)
+    assert triton_paged.handles(x)
+    monkeypatch.delenv(triton_paged.ENV_CPU)
+    assert not triton_paged.handles(x)

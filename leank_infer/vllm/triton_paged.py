@@ -23,8 +23,8 @@ shapes, and the lengths are read on the device. When the shape gives ``S == 1`` 
 decode kernel normalises and writes the output itself and the merge is not launched: two launches
 per call, one when ``S == 1`` (:func:`launches`).
 
-fp8 pages (``torch.uint8`` holding ``float8_e4m3fn`` / ``float8_e5m2`` bytes) are converted in the
-kernel; their scales are folded into the logit scale (K) and the output (V): ``q.(s k) = s (q.k)``,
+fp8 pages (``torch.uint8`` holding ``float8_e4m3fn`` / ``float8_e5m2`` bytes, or typed as that fp8
+dtype) are converted in the kernel; their scales are folded into the logit scale (K) and the output (V): ``q.(s k) = s (q.k)``,
 exact up to float rounding, since fp8 converts exactly into fp16, bf16 and fp32.
 
 :func:`write` puts a step's K/V into the pages (the capture-safe form of the PyTorch write
@@ -381,14 +381,18 @@ def launches(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return 1 if num_splits(batch, num_kv_heads, device) == 1 else 2
 
 
-def _fp8_code(fp8: torch.dtype | None, pages: torch.Tensor) -> int:
+def _as_stored(pages: torch.Tensor, fp8: torch.dtype | None) -> tuple[torch.Tensor, int]:
+    """Pages as the kernels index them (fp8 pages as their uint8 bytes, whichever dtype they come in) and
+    the fp8 code of the kernels (0: none, 1: e4m3fn, 2: e5m2)."""
     if fp8 not in _FP8_CODE:
         raise ValueError(f"unsupported fp8 page dtype {fp8}")
+    if fp8 is not None and pages.dtype == fp8:
+        pages = pages.view(torch.uint8)
     if (fp8 is not None) != (pages.dtype == torch.uint8):
         raise ValueError(
-            f"pages of {pages.dtype} with fp8={fp8}: fp8 pages are uint8 bytes, others the model dtype"
+            f"pages of {pages.dtype} with fp8={fp8}: fp8 pages hold fp8 bytes, others the model dtype"
         )
-    return _FP8_CODE[fp8]
+    return pages, _FP8_CODE[fp8]
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -416,8 +420,8 @@ def decode(
     hkv = plan.num_kv_heads
     if hq % hkv or d != plan.head_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit {hkv} KV heads of {plan.head_dim} channels")
-    code = _fp8_code(fp8, packed)
-    _fp8_code(fp8, window)
+    packed, code = _as_stored(packed, fp8)
+    window, _ = _as_stored(window, fp8)
     bs = packed.shape[1]
     if window.shape[1] != bs or packed.stride(2) != 1 or window.stride(2) != 1:
         raise ValueError("packed and window pages need one block size and contiguous rows")
@@ -473,8 +477,8 @@ def write(
     n = k.shape[0]
     if n == 0:
         return
-    code = _fp8_code(fp8, packed)
-    _fp8_code(fp8, window)
+    packed, code = _as_stored(packed, fp8)
+    window, _ = _as_stored(window, fp8)
     bs = packed.shape[1]
     if window.shape[1] != bs or packed.stride(2) != 1 or window.stride(2) != 1:
         raise ValueError("packed and window pages need one block size and contiguous rows")
