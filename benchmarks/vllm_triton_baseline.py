@@ -101,7 +101,9 @@ class VllmDecode:
     """vLLM's Triton decode of ``[B, Hq, D]`` queries over a ``[blocks, Hkv, block_size, 2 D]`` KV cache
     (vLLM's layout: K and V of a token side by side), buffers allocated once as vLLM's builder does."""
 
-    def __init__(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def __init__(
+        self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ):
         self.unified_attention = load().unified_attention
         threshold = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
         self.seq_threshold_3D = min(CAPTURE_SIZES, key=lambda x: abs(x - threshold))

@@ -24,8 +24,10 @@ decode kernel normalises and writes the output itself and the merge is not launc
 per call, one when ``S == 1`` (:func:`launches`).
 
 fp8 pages (``torch.uint8`` holding ``float8_e4m3fn`` / ``float8_e5m2`` bytes, or typed as that fp8
-dtype) are converted in the kernel; their scales are folded into the logit scale (K) and the output (V): ``q.(s k) = s (q.k)``,
-exact up to float rounding, since fp8 converts exactly into fp16, bf16 and fp32.
+dtype) are converted in the kernel; their scales are folded into the logit scale (K) and the output
+(V): ``q.(s k) = s (q.k)``, exact up to float rounding, since fp8 converts exactly into fp16, bf16 and
+fp32. The write rounds ``value / scale`` to fp8 to nearest even, as PyTorch does; out of fp8's range
+the GPU saturates where PyTorch gives NaN (e4m3fn) or inf (e5m2).
 
 :func:`write` puts a step's K/V into the pages (the capture-safe form of the PyTorch write
 :func:`~leank_infer.vllm.paged_reference.write_pages`): ``_write_kernel``, one program per token,
