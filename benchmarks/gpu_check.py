@@ -13,11 +13,17 @@ Parts, each timed and guarded (a failing part is a FAILED row, the others still 
 3. train: a few bf16 steps of recipes/llama-3.1-8b.yaml's settings (sink 128, training recent 1024, ratio 0.7,
    align 32, activation checkpointing) on the same random model through a Lightning Trainer, at a 32k-token
    context: seconds per step and peak memory against ``leank_train.memory``'s estimate;
-4. vllm: the vLLM backend's Triton paged decode (leank_infer/vllm/triton_paged.py) against its PyTorch path
-   on one Llama-8B layer at 8k/32k (error, ms per call next to dense SDPA); then, when vLLM (CUDA build)
-   and the leank plugin are installed, ``benchmarks/vllm_throughput.py`` on the 8B shape with random
-   weights (``--load-format dummy``, ``--attention-backend TRITON_ATTN``): plain vs LeanK KV tokens,
-   sequences running and decode tokens/s at 32k in 8 GiB of KV.
+4. vllm: the vLLM plugin's Triton kernels (leank_infer/vllm/triton_paged.py; vLLM itself is not needed):
+   (a) the decode against the PyTorch reference on the Llama-8B mask's pages (every layer, bf16; fp8
+   e4m3/e5m2; block 128) and the page write against the PyTorch write, byte for byte; (b) ms per call of
+   one layer's decode against vLLM 0.32's own Triton attention (vendored, benchmarks/vllm_triton_baseline.py)
+   at batch 1/16/64 x 2k/8k, both replayed in CUDA graphs; (c) one decode step of a LeanK layer (write +
+   decode) captured in a CUDA graph, replayed on other lengths and compared with eager, once after a
+   warm-up and once compiling inside the capture as vLLM does. Then, when vLLM (CUDA build) and the leank
+   plugin are installed, ``benchmarks/vllm_throughput.py`` on the 8B shape with random weights
+   (``--load-format dummy``, ``--attention-backend TRITON_ATTN``): plain vs LeanK KV tokens, sequences
+   running and decode tokens/s at 32k in 8 GiB of KV. ``--parts vllm`` alone takes about 3 minutes
+   (estimated: not run on a GPU yet).
 
 The last thing printed is one short markdown table; it is also written to ``--out``. Random weights: the
 timings and memory are the real model's (same shapes, same kernels), the generated tokens are noise.
@@ -307,59 +313,333 @@ def _median_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_paged(args: tuple, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> str:
-    """ms per call of the Triton paged decode, its torch path, and dense SDPA over all ``k``/``v`` (the plain baseline)."""
-    from leank_infer.vllm.paged_decode import paged_decode
-    from leank_infer.vllm.triton_paged import triton_paged_decode
+# ---- the vLLM plugin's kernels (no vLLM needed) ------------------------------------------------------
 
-    q = args[0]
-    qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[:, None], k, v))  # [1, H, n, D]
-    t_kernel = _median_ms(lambda: triton_paged_decode(*args), device, 20)
-    t_torch = _median_ms(lambda: paged_decode(*args), device, 20)
-    t_dense = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), device, 20)
-    return f"{t_kernel:.3f} ms vs torch path {t_torch:.3f} ms, dense SDPA {t_dense:.3f} ms"
+UNMEASURED = "unmeasured: no GPU"
+# (batch, context) of the decode timing against vLLM's own Triton attention
+VLLM_SPEED = [(1, 2048), (1, 8192), (16, 2048), (16, 8192), (64, 2048), (64, 8192)]
+
+
+class LeanKPages:
+    """One worker's LeanK pages as vLLM lays them out, random values: one pool of equal pages for every
+    store, the packed store and the window store on distinct blocks, window blocks only where the rule
+    reads full rows (the sink, and the window of each length in ``window_for``, default each request's)."""
+
+    def __init__(self, mask, layer: int, lengths: list[int], q_heads: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int = 16, fp8: torch.dtype | None = None,
+                 window_for: list[int] | None = None, seed: int = 0):  # fmt: skip
+        from leank_infer.decode.rule import positional_recent_from
+        from leank_infer.vllm.pool import WorkerPlan
+
+        self.plan = plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
+        self.slot = plan.slots[layer]
+        self.fp8, self.dtype = fp8, dtype
+        self.k_scale, self.v_scale = (0.5, 2.0) if fp8 is not None else (1.0, 1.0)
+        bs = block_size
+        width = -(-max(lengths) // bs)
+        full_blocks = []
+        for n in lengths:
+            blocks = set(range(-(-min(plan.sink, n) // bs)))
+            for m in window_for if window_for is not None else [n]:
+                start = max(plan.sink, positional_recent_from(m - 1, plan.recent, plan.accumu))
+                blocks.update(range(start // bs, -(-m // bs)))
+            full_blocks.append(sorted(blocks))
+        total = 1 + len(lengths) * width + sum(len(x) for x in full_blocks)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        pool = torch.empty(total, plan.page_elements, device=device, dtype=dtype if fp8 is None else torch.float32)
+        pool.normal_(generator=gen)
+        self.pool = pool if fp8 is None else pool.to(fp8).view(torch.uint8)
+        self.packed = self.pool[:, : bs * plan.packed_row].view(total, bs, plan.packed_row)
+        self.window = self.pool[:, : bs * plan.window_row].view(total, bs, plan.window_row)
+        ids = (torch.randperm(total - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()  # 0: null
+        packed_table = torch.zeros(len(lengths), width, dtype=torch.int32)
+        window_table = torch.zeros(len(lengths), width, dtype=torch.int32)
+        for i, blocks in enumerate(full_blocks):
+            packed_table[i] = torch.tensor([ids.pop() for _ in range(width)])
+            window_table[i, blocks] = torch.tensor([ids.pop() for _ in blocks], dtype=torch.int32)
+        self.packed_table, self.window_table = packed_table.to(device), window_table.to(device)
+        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.q = torch.randn(len(lengths), q_heads, plan.head_dim, generator=gen, device=device).to(dtype)
+
+    def args(self, rows: int | None = None) -> tuple:
+        """kernels.decode's arguments for the first ``rows`` requests (scale 1/sqrt(D))."""
+        r = slice(0, rows)
+        return (self.q[r], self.packed, self.packed_table[r], self.window, self.window_table[r], self.seq_lens[r],
+                self.plan, self.slot, self.plan.head_dim**-0.5, self.k_scale, self.v_scale, self.fp8)  # fmt: skip
+
+    def reference(self) -> torch.Tensor:
+        """The PyTorch reference (leank_infer.vllm.paged_reference) of every request, fp32 attention."""
+        from leank_infer.vllm.paged_reference import reference_attention, request_kv, to_compute
+
+        plan, slot, bs = self.plan, self.slot, self.plan.block_size
+        hd = plan.num_kv_heads * plan.head_dim
+        out = []
+        for b, n in enumerate(self.seq_lens.tolist()):
+            p = n - 1  # its K/V: the full row in the window pages
+            row = self.window[int(self.window_table[b, p // bs]), p % bs, slot.window_offset :]
+            new = [to_compute(row[i * hd : (i + 1) * hd], self.dtype, s, self.fp8).view(1, plan.num_kv_heads, -1)
+                   for i, s in ((0, self.k_scale), (1, self.v_scale))]  # fmt: skip
+            k, v = request_kv(plan, slot, self.packed, self.packed_table[b], self.window, self.window_table[b], n,
+                              p, *new, self.dtype, self.k_scale, self.v_scale, self.fp8)  # fmt: skip
+            out.append(reference_attention(plan, slot, self.q[b : b + 1], k, v, p, plan.head_dim**-0.5)[0])
+        return torch.stack(out)
+
+
+def _vllm_mask(small: bool):
+    """The committed Llama-3.1-8B mask with its own windows (128/768/128); small: 2 layers, 16/64/16."""
+    from leank_infer import ChannelMask
+
+    return llama_mask(True) if small else ChannelMask.from_dir(MASK_DIR)
+
+
+def _fmt(fp8: torch.dtype | None, dtype: torch.dtype) -> str:
+    return "fp8 " + str(fp8).split("_")[-1] if fp8 is not None else str(dtype)[6:]
 
 
 def part_vllm_kernel(small: bool, device: torch.device) -> list[dict[str, str]]:
-    """The vLLM backend's Triton paged decode (one request, one layer of the Llama mask) against its PyTorch
-    path: max error, and ms per call next to the torch path and dense SDPA over the same context (GPU)."""
-    from leank_infer.decode import triton_decode
-    from leank_infer.vllm.layout import PackedLayout
-    from leank_infer.vllm.paged_decode import paged_decode
-    from leank_infer.vllm.triton_paged import triton_paged_decode
+    """(a) The plugin's Triton decode against the PyTorch reference on the Llama mask at its real sizes (every
+    layer, bf16; one layer in fp8 e4m3/e5m2 pages and at block size 128), and its page write against the
+    PyTorch write (bf16, and fp8 from bf16 values off the fp8 grid: the GPU's rounding). CPU: the
+    interpreter, fp16, the 2-layer mask."""
+    from leank_infer.vllm import triton_paged
+    from leank_infer.vllm.paged_reference import write_pages
 
-    if device.type != "cuda" and not triton_decode.kernels_interpreted():
-        return [{"part": "vllm", "setting": "paged kernel", "result": "skipped: no GPU and no triton interpreter"}]
-    mask = llama_mask(small)
-    keep = mask.keep[1 if small else 10]
-    layout = PackedLayout.from_keep(keep).to(device)
-    hkv, d = keep.shape
-    hq, bs = hkv * 4, 16
+    if device.type != "cuda" and not triton_paged.interpreted():
+        return [{"part": "vllm", "setting": "plugin kernels", "result": "skipped: no GPU and no triton interpreter"}]
+    mask = _vllm_mask(small)
     dtype = torch.float16 if small else torch.bfloat16
-    rows = []
-    for n in [300] if small else [8192, 32768]:
-        gen = torch.Generator(device=device).manual_seed(0)
-        k = torch.randn(n, hkv, d, device=device, dtype=dtype, generator=gen)
-        v = torch.randn(n, hkv, d, device=device, dtype=dtype, generator=gen)
-        q = torch.randn(hq, d, device=device, dtype=dtype, generator=gen)
-        nblocks = -(-n // bs)
-        block_row = torch.randperm(nblocks, device=device, generator=gen).int()
-        pages = torch.zeros(nblocks, bs, layout.width, device=device, dtype=dtype)
-        pos = torch.arange(n, device=device)
-        pages.view(-1, layout.width)[block_row.long()[pos // bs] * bs + pos % bs] = layout.pack(k, v)
-        sink, recent = min(mask.sink_size, n // 4), min(mask.recent_size, n // 4)
-        full = torch.cat([torch.arange(sink, device=device), torch.arange(n - recent, n, device=device)])
-        args = (q, k[full], v[full], pages, block_row, sink, n - recent, layout, d**-0.5)
-        got = triton_paged_decode(*args).float()
-        ref = paged_decode(q.float(), k[full].float(), v[full].float(), pages.float(), *args[4:])
-        err = (got - ref).abs().max().item()
-        ok = err < 2e-2
-        setting = f"paged kernel, {str(dtype)[6:]}, 1 request x {n}, Llama-8B layer heads"
-        result = f"max abs error vs torch path {err:.1e} ({'ok' if ok else 'MISMATCH'})"
-        if device.type == "cuda":
-            result += "; " + _time_paged(args, k, v, device)
-        rows.append({"part": "vllm", "setting": setting, "result": result})
+    hq = 4 * mask.num_kv_heads
+    lengths = [1, 20, 90, 300] if small else [1, 100, 1000, 1100, 4000, 9000]
+    last = mask.num_layers - 1
+    cases = [(layer, 16, None) for layer in range(mask.num_layers)] + [(last, 128, None)]
+    cases += [(last, 16, torch.float8_e4m3fn), (last, 16, torch.float8_e5m2)]
+    worst: dict[str, float] = {}
+    for layer, bs, fp8 in cases:
+        pages = LeanKPages(mask, layer, lengths, hq, dtype, device, block_size=bs, fp8=fp8, seed=layer)
+        err = (triton_paged.decode(*pages.args()).float() - pages.reference().float()).abs().max().item()
+        key = f"block {bs}" if fp8 is None else _fmt(fp8, dtype)
+        worst[key] = max(worst.get(key, 0.0), err)
+        del pages
+    tol = 2e-3 if small else 3e-2
+    ok = all(e < tol for e in worst.values())
+    rows = [{"part": "vllm", "setting": f"plugin decode vs PyTorch reference, {str(dtype)[6:]}, Llama-8B mask "
+             f"({mask.num_layers} layers, GQA 4), lengths {lengths}",
+             "result": "max abs error " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+                       + f" ({'ok' if ok else 'MISMATCH'})"}]  # fmt: skip
+    # the write: 64 tokens' K/V into a layer, every 7th padding (-1), every 5th window slot in the null block
+    n, results = 64, []
+    for fp8 in [None] + ([] if small else [torch.float8_e4m3fn, torch.float8_e5m2]):
+        pages = LeanKPages(mask, last, [2 * n * 16], hq, dtype, device, fp8=fp8, window_for=[])
+        plan, slot, bs = pages.plan, pages.slot, pages.plan.block_size
+        gen = torch.Generator(device=device).manual_seed(1)
+        k = (torch.randn(n, plan.num_kv_heads, plan.head_dim, device=device, generator=gen) * 3).to(dtype)
+        v = torch.randn(n, plan.num_kv_heads, plan.head_dim, device=device, generator=gen).to(dtype)
+        i = torch.arange(n, device=device)
+        blocks = pages.packed_table[0].long()  # 2n distinct blocks: the first n packed, the last n window
+        packed_slots = torch.where(i % 7 == 3, -1, blocks[:n] * bs + i % bs)
+        window_slots = torch.where(i % 5 == 1, i % bs, blocks[n:] * bs + i % bs)
+        want = pages.pool.clone()
+        wp, ww = (want[:, : bs * r].view(-1, bs, r) for r in (plan.packed_row, plan.window_row))
+        write_pages(wp, packed_slots, ww, window_slots, k, v, slot, pages.k_scale, pages.v_scale, fp8)
+        triton_paged.write(pages.packed, packed_slots, pages.window, window_slots, k, v, slot,
+                           pages.k_scale, pages.v_scale, fp8)  # fmt: skip
+        differ = int((pages.pool.view(torch.uint8) != want.view(torch.uint8)).sum())
+        results.append(f"{_fmt(fp8, dtype)}: {differ} bytes differ")
+        del pages, want, wp, ww
+    ok = all(r.endswith(": 0 bytes differ") for r in results)
+    rows.append({"part": "vllm", "setting": f"plugin page write vs PyTorch write, {n} tokens (padding, null block)",
+                 "result": "; ".join(results) + f" ({'ok' if ok else 'MISMATCH'})"})  # fmt: skip
     return rows
+
+
+def _graph_ms(fn, device: torch.device, calls: int = 10, replays: int = 10) -> tuple[float, str]:
+    """GPU ms per call of ``fn``: ``calls`` calls captured in a CUDA graph and replayed ``replays`` times (no
+    launch overhead in the figure); eager (events around back-to-back calls) if the capture fails."""
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    how, run = "graph", fn
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run, calls = graph.replay, 1
+        graph.replay()
+    except Exception:  # noqa: BLE001 - fall back to eager timing, and say so
+        how = "eager"
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(replays * (10 if how == "eager" else 1)):
+        run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / (replays * 10), how
+
+
+def part_vllm_speed(small: bool, device: torch.device) -> list[dict[str, str]]:
+    """(b) One LeanK layer's decode (the plugin's Triton kernel over the pages of all 32 layers) against vLLM
+    0.32's own Triton attention (the TRITON_ATTN decode, vendored: benchmarks/vllm_triton_baseline.py) over a
+    dense cache of one layer: bf16, block 16, batch 1/16/64 x 2k/8k, GPU ms per call replayed in a CUDA
+    graph. First, everywhere (CPU: interpreter, fp16): with a mask keeping every channel LeanK is dense
+    attention, so the two kernels must agree on the same pages (it checks both harnesses)."""
+    from leank_infer import ChannelMask
+    from leank_infer.vllm import triton_paged
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vllm_triton_baseline as vb
+
+    mask = _vllm_mask(small)
+    hkv, d = mask.num_kv_heads, mask.head_dim
+    hq, scale = 4 * hkv, d**-0.5
+    dtype = torch.float16 if small else torch.bfloat16
+    full = ChannelMask(torch.ones(1, hkv, d, dtype=torch.bool), sink_size=mask.sink_size,
+                       recent_size=mask.recent_size, accumu_size=mask.accumu_size)  # fmt: skip
+    lengths = [3, 70, 200] if small else [3, 2048, 8192]
+    pages = LeanKPages(full, 0, lengths, hq, dtype, device, window_for=[])
+    pages.window_table.copy_(pages.packed_table)  # a full-keep row is [K | V] in both stores: same pages
+    bs = pages.plan.block_size
+    kv = pages.window.reshape(-1, bs, 2, hkv, d).permute(0, 3, 1, 2, 4).reshape(-1, hkv, bs, 2 * d)
+    dense = vb.VllmDecode(len(lengths), hq, hkv, d, device)
+    want = dense(pages.q, kv, pages.packed_table, pages.seq_lens, max(lengths), scale, torch.empty_like(pages.q))
+    err = (triton_paged.decode(*pages.args()).float() - want.float()).abs().max().item()
+    ok = err < (2e-3 if small else 3e-2)
+    rows = [{"part": "vllm", "setting": f"full-keep mask: LeanK decode vs vLLM Triton attention, {str(dtype)[6:]}, "
+             f"lengths {lengths}", "result": f"max abs error {err:.1e} ({'ok' if ok else 'MISMATCH'})"}]  # fmt: skip
+    del pages, kv
+    if device.type != "cuda":
+        rows.append({"part": "vllm", "setting": "LeanK decode vs vLLM Triton attention, batch 1/16/64 x 2k/8k",
+                     "result": UNMEASURED})  # fmt: skip
+        return rows
+    return rows + speed_rows(mask, device, VLLM_SPEED, _graph_ms)
+
+
+def speed_rows(mask, device: torch.device, configs: list[tuple[int, int]], timer) -> list[dict[str, str]]:
+    """(b)'s table: for each (batch, context), ``timer(fn, device) -> (ms, how)`` of the LeanK decode of the
+    mask's median-width layer and of vLLM's Triton decode over a dense cache of one layer (bf16 on a GPU)."""
+    from leank_infer.vllm import triton_paged
+    from leank_infer.vllm.pool import WorkerPlan
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vllm_triton_baseline as vb
+
+    hkv, d = mask.num_kv_heads, mask.head_dim
+    hq, scale = 4 * hkv, d**-0.5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    plan = WorkerPlan.build(mask, list(range(mask.num_layers)))
+    layer = sorted(plan.slots, key=lambda i: plan.slots[i].packed_width)[len(plan.slots) // 2]  # median width
+    top_b, top_n = max(b for b, _ in configs), max(n for _, n in configs)
+    pages = LeanKPages(mask, layer, [top_n] * top_b, hq, dtype, device, window_for=sorted({n for _, n in configs}))
+    per_req = -(-top_n // 16)
+    kv = torch.empty(top_b * per_req + 1, hkv, 16, 2 * d, device=device).normal_().to(dtype)
+    dense_table = (torch.randperm(top_b * per_req, device=device) + 1).int().view(top_b, per_req)
+    dense = vb.VllmDecode(top_b, hq, hkv, d, device)
+    out = torch.empty(top_b, hq, d, dtype=dtype, device=device)
+    rows = []
+    for b, n in configs:
+        pages.seq_lens.fill_(n)
+        args, seq = pages.args(b), pages.seq_lens[:b]
+        t_lk, how = timer(lambda a=args: triton_paged.decode(*a), device)
+        dense_args = (pages.q[:b], kv, dense_table[:b], seq, n, scale, out[:b])
+        t_vl, how_vl = timer(lambda a=dense_args: dense(*a), device)
+        rows.append({"part": "vllm", "setting": f"batch {b} x {n}, {str(dtype)[6:]}, one layer (Llama-8B layer "
+                     f"{layer}: {pages.slot.packed_width} of {2 * hkv * d} elements per middle token)",
+                     "result": f"LeanK {t_lk:.4f} ms vs vLLM Triton {t_vl:.4f} ms: {t_vl / max(t_lk, 1e-9):.2f}x "
+                               f"({how}/{how_vl}; {triton_paged.launches(b, hkv, device)} LeanK launches)"})  # fmt: skip
+        print(f"vllm: {rows[-1]['setting']}: {rows[-1]['result']}", flush=True)
+    del pages, kv
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _capture(fn) -> Any:
+    """``fn``'s kernels captured in a CUDA graph (run by ``.replay()``)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+GRAPH_LENGTHS = ([900, 17, 4000, 130, 2500, 1, 0, 0], [4999, 128, 1, 897, 3000, 60, 0, 0])  # 0: padding rows
+
+
+def graph_case(mask, layer: int, bs: int, warm: bool, device: torch.device, lengths=GRAPH_LENGTHS,
+               capture=_capture, repeats: int = 20) -> dict[str, str]:  # fmt: skip
+    """One (write + decode) step of ``layer`` captured for a batch of the first lengths, replayed on the
+    second (inputs changed in place), against the same step run eagerly on a copy of the pages."""
+    from leank_infer.vllm import triton_paged
+
+    hkv, d, hq = mask.num_kv_heads, mask.head_dim, 4 * mask.num_kv_heads
+    top, batch = max(max(x) for x in lengths), len(lengths[0])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    pages = LeanKPages(mask, layer, [top] * batch, hq, dtype, device, block_size=bs,
+                       window_for=list(range(1, top + 1)))  # every block a window block: any length works  # fmt: skip
+    plan, slot = pages.plan, pages.slot
+    triton_paged.prepare(plan, device)  # what the backend does when it plans the worker
+    k = torch.zeros(batch, hkv, d, dtype=dtype, device=device)
+    v, q = torch.zeros_like(k), torch.zeros(batch, hq, d, dtype=dtype, device=device)
+    seq = torch.zeros(batch, dtype=torch.int32, device=device)
+    pslot = torch.full((batch,), -1, dtype=torch.long, device=device)
+    wslot = torch.full((batch,), -1, dtype=torch.long, device=device)
+    out = torch.zeros_like(q)
+
+    def fill(lengths: list[int], seed: int) -> None:  # in place, as vLLM refreshes its persistent buffers
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        seq.copy_(torch.tensor(lengths, dtype=torch.int32))
+        p = (seq.long() - 1).clamp(min=0)
+        rows = torch.arange(batch, device=device)
+        for store, table in ((pslot, pages.packed_table), (wslot, pages.window_table)):
+            store.copy_(torch.where(seq > 0, table[rows, p // bs].long() * bs + p % bs, -1))
+
+    def step() -> None:
+        triton_paged.write(pages.packed, pslot, pages.window, wslot, k, v, slot)
+        out.copy_(triton_paged.decode(q, pages.packed, pages.packed_table, pages.window, pages.window_table, seq,
+                                      plan, slot, d**-0.5))  # fmt: skip
+
+    pad = sum(n == 0 for n in lengths[0])
+    setting = (f"CUDA graph of a LeanK decode step (write + decode), batch {batch} ({pad} padding rows), "
+               f"{str(dtype)[6:]}, block {bs}, {'after an eager warm-up' if warm else 'first launch inside the capture'}")  # fmt: skip
+    try:
+        fill(lengths[0], 0)
+        if warm:
+            step()
+        _sync(device)
+        graph = capture(step)
+        fill(lengths[1], 1)  # other lengths: other windows, splits, tiles
+        before = pages.pool.clone()
+        graph.replay()
+        _sync(device)
+        replayed, replayed_pool = out.clone(), pages.pool.clone()
+        pages.pool.copy_(before)
+        step()
+        same_out = torch.equal(replayed, out)
+        same_pages = torch.equal(replayed_pool.view(torch.uint8), pages.pool.view(torch.uint8))
+        real = torch.tensor(lengths[1], device=device) > 0
+        padding = bool(out[real].isfinite().all()) and bool((out[~real] == 0).all())
+        t_graph, t_eager = _median_ms(graph.replay, device, repeats), _median_ms(step, device, repeats)
+        ok = same_out and same_pages and padding
+        result = (f"replay == eager: output {same_out}, pages {same_pages}; padding rows 0, others finite: {padding} "
+                  f"({'ok' if ok else 'MISMATCH'}); {t_graph:.3f} ms per replayed step vs {t_eager:.3f} ms eager")
+    except Exception as e:  # noqa: BLE001 - a failed capture is the result
+        traceback.print_exc()
+        result = f"FAILED: {type(e).__name__}: {str(e)[:160]}"
+    print(f"vllm: {setting}: {result}", flush=True)
+    return {"part": "vllm", "setting": setting, "result": result}
+
+
+def part_vllm_graph(small: bool, device: torch.device) -> list[dict[str, str]]:
+    """(c) One decode step of a LeanK layer (page write, then decode) captured in a CUDA graph for a batch of
+    8 (2 padding rows: length 0, slot -1), replayed after its inputs changed in place (other lengths,
+    queries, K/V, slots) and compared with the same step run eagerly on a copy of the pages; then the
+    same with the kernels' first launch (triton's compile) inside the capture, as in vLLM, which captures
+    without an attention warm-up."""
+    if device.type != "cuda":
+        return [{"part": "vllm", "setting": "CUDA graph of a LeanK decode step (write + decode)", "result": UNMEASURED}]
+    mask = _vllm_mask(small)
+    return [graph_case(mask, 4, 16, True, device), graph_case(mask, 7, 32, False, device)]
 
 
 def part_vllm_engine(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
@@ -402,7 +682,17 @@ def part_vllm_engine(small: bool, device: torch.device, budget) -> list[dict[str
 
 
 def part_vllm(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
-    return part_vllm_kernel(small, device) + part_vllm_engine(small, device, budget)
+    rows = []
+    for fn in (part_vllm_kernel, part_vllm_speed, part_vllm_graph):
+        if budget():
+            rows.append({"part": "vllm", "setting": fn.__name__, "result": "skipped: time budget"})
+            continue
+        try:
+            rows += fn(small, device)
+        except Exception as e:  # noqa: BLE001 - one failing check must not cost the others
+            traceback.print_exc()
+            rows.append({"part": "vllm", "setting": fn.__name__, "result": f"FAILED: {type(e).__name__}: {str(e)[:200]}"})
+    return rows + part_vllm_engine(small, device, budget)
 
 
 # ---- driver ----------------------------------------------------------------------------------------

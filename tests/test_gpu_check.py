@@ -82,3 +82,42 @@ def test_cpu_sized_variant_of_every_part(gpu_check, tmp_path, monkeypatch, capsy
     assert len(decode) == 2 and all("dense" in d and "LeanK" in d and "speedup" in d for d in decode)
     assert "s/step" in rows["train"] and "estimate" in rows["train"]
     assert capsys.readouterr().out.rstrip().endswith(text.rstrip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_vllm_kernel_checks_at_cpu_size(gpu_check):
+    """The vLLM part's kernel checks on the interpreter (fp16, the 2-layer Llama mask): the decode against the
+    PyTorch reference, the write against the PyTorch write, and the LeanK decode with a full-keep mask
+    against vLLM's own (vendored) Triton attention; the GPU-only timings and graph capture say so."""
+    from leank_infer.vllm import triton_paged
+
+    if not triton_paged.interpreted():
+        pytest.skip("triton was loaded without TRITON_INTERPRET=1")
+    rows = gpu_check.part_vllm(True, torch.device("cpu"), lambda: False)
+    results = [r["result"] for r in rows]
+    assert len(rows) == 6 and all(r["part"] == "vllm" for r in rows), rows
+    assert all(r.endswith("(ok)") for r in results[:3]), results
+    assert "vs PyTorch reference" in rows[0]["setting"] and "fp8 e5m2" in results[0]
+    assert "0 bytes differ" in results[1] and "vLLM Triton attention" in rows[2]["setting"]
+    assert results[3] == results[4] == "unmeasured: no GPU", results
+    assert "vllm" in results[5]  # the engine part: not importable here, or GPU only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_vllm_gpu_paths_run_on_cpu_stand_ins(gpu_check):
+    """The GPU-only code of the vLLM part, with a CPU timer and a 'capture' that replays eagerly: the speed
+    table's plumbing (both kernels at each size) and the graph case's in-place refill and comparison."""
+    from types import SimpleNamespace
+
+    from leank_infer.vllm import triton_paged
+
+    if not triton_paged.interpreted():
+        pytest.skip("triton was loaded without TRITON_INTERPRET=1")
+    mask = gpu_check._vllm_mask(True)
+    cpu = torch.device("cpu")
+    rows = gpu_check.speed_rows(mask, cpu, [(1, 100), (2, 200)], lambda fn, device: (fn(), (1.0, "cpu"))[1])
+    assert [r["setting"][:13] for r in rows] == ["batch 1 x 100", "batch 2 x 200"]
+    assert all("LeanK 1.0000 ms vs vLLM Triton 1.0000 ms" in r["result"] for r in rows), rows
+    eager = lambda fn: SimpleNamespace(replay=fn)  # noqa: E731
+    row = gpu_check.graph_case(mask, 1, 16, True, cpu, lengths=([90, 17, 0], [200, 1, 0]), capture=eager, repeats=1)
+    assert "output True, pages True" in row["result"] and "(ok)" in row["result"], row

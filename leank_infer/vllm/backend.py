@@ -147,30 +147,12 @@ class LeanKAttentionMixin:
         layer: Any,
     ) -> None:
         """The step's K/V into this layer's columns: a packed row for every token, a full row for the
-        tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing)."""
-        slot, bs = self.slot, packed.shape[1]
-        rows = slot.layout.to(k.device).pack(k, v)
-        full = torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
-        if self.fp8 is not None:
-            rows = self._to_fp8(rows, slot.layout.k_index.numel(), layer)
-            full = self._to_fp8(full, k[0].numel(), layer)
-        else:
-            rows, full = rows.to(packed.dtype), full.to(window.dtype)
-        p = packed_slots.long()
-        keep = p >= 0
-        if not bool(keep.all()):
-            p, rows = p[keep], rows[keep]
-        packed[p // bs, p % bs, slot.packed_offset : slot.packed_offset + rows.shape[1]] = rows
-        w = window_slots.long()
-        keep = w >= bs  # -1: padding, [0, bs): the null block (a token no later query reads fully)
-        w, full = w[keep], full[keep]
-        window[w // bs, w % bs, slot.window_offset : slot.window_offset + full.shape[1]] = full
-
-    def _to_fp8(self, x: torch.Tensor, nk: int, layer: Any) -> torch.Tensor:
-        """K columns ``[:nk]`` scaled by the layer's K scale, the rest by its V scale, as fp8 bytes."""
-        scale = torch.full((x.shape[1],), layer._v_scale_float, dtype=torch.float32, device=x.device)
-        scale[:nk] = layer._k_scale_float
-        return (x.float() / scale).to(self.fp8).view(torch.uint8)
+        tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing).
+        On CUDA a Triton kernel with no host sync (:func:`~leank_infer.vllm.kernels.write`)."""
+        kernels.write(
+            packed, packed_slots, window, window_slots, k, v, self.slot,
+            layer._k_scale_float, layer._v_scale_float, self.fp8,
+        )  # fmt: skip
 
 
 def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
@@ -214,6 +196,7 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
     plan = WorkerPlan.build(
         mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages
     )
+    kernels.prepare(plan, vllm_config.device_config.device_type)  # before any CUDA graph capture
     first_name, first = layers[order[0]]
     if plan.num_kv_heads != first.impl.num_kv_heads:
         raise MaskError(

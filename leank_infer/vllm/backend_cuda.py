@@ -2,34 +2,35 @@
 
 Registered by :func:`leank_infer.vllm.register` in place of ``TRITON_ATTN`` (imported only when vLLM
 selects that backend); a GPU engine picks it with ``--attention-backend TRITON_ATTN``. Everything
-LeanK does is :class:`~leank_infer.vllm.backend.LeanKAttentionMixin` (pages, side store, rule); on
-CUDA tensors its decode runs the Triton paged kernel (:mod:`~leank_infer.vllm.triton_paged`).
-The decode walks the batch's requests in Python (host syncs per step), so CUDA graphs are refused:
-the engine must run eager (``--enforce-eager``).
+LeanK does is :class:`~leank_infer.vllm.backend.LeanKAttentionMixin` (pages, rule); on CUDA tensors
+its page write and its decode are Triton kernels (:mod:`~leank_infer.vllm.triton_paged`).
 
-Unmeasured: no GPU was available while this was built. The kernel is tested on triton's CPU
-interpreter; ``benchmarks/gpu_check.py`` (vllm part) runs this backend on a GPU in one command.
+CUDA graphs: the LeanK metadata builders declare ``UNIFORM_SINGLE_TOKEN_DECODE``
+(:mod:`~leank_infer.vllm.stores`), so with vLLM's default ``FULL_AND_PIECEWISE`` a step of decodes
+only replays a full graph (the write and the decode captured inside it) and a step with a prefill
+runs attention eagerly between piecewise graphs. What a full decode graph needs holds in the code:
+the write and the decode launch a fixed set of kernels whose grids and arguments depend on the
+batch's shape only, read ``seq_lens``, block tables and slot mappings on the device (vLLM's
+persistent buffers, padded with 0 lengths, the null block and slot -1, which the kernels skip), copy
+nothing from the host (the channel tables go to the GPU when the worker is planned) and never sync.
+The interpreter tests check the fixed launches and the absence of host reads
+(``tests/test_vllm_triton_paged.py``).
+
+Unmeasured: no GPU was available while this was built. Neither a vLLM engine on CUDA nor its graph
+capture has run; ``benchmarks/gpu_check.py`` (vllm part) captures and replays one decode step of a
+LeanK layer (write + decode) in a CUDA graph against eager results, and runs the engine when vLLM is
+installed.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from ..mask import MaskError
 from .backend import LeanKAttentionMixin
 
 
 class LeanKTritonAttentionImpl(LeanKAttentionMixin, TritonAttentionImpl):
     """vLLM's Triton attention, or LeanK attention when the engine names a mask."""
-
-    def check_platform(self, vllm_config: Any) -> None:
-        if not vllm_config.model_config.enforce_eager:
-            raise MaskError(
-                "LeanK serving on CUDA needs eager mode (pass --enforce-eager / LLM(enforce_eager=True)): "
-                "its decode is not CUDA-graph capturable"
-            )
 
 
 class LeanKTritonAttentionBackend(TritonAttentionBackend):

@@ -103,3 +103,45 @@ def reference_attention(
         accumu_size=plan.accumu,
     )
     return out[0].to(q.dtype)
+
+
+def write_pages(
+    packed: torch.Tensor,
+    packed_slots: torch.Tensor,
+    window: torch.Tensor,
+    window_slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot: LayerSlot,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> None:
+    """The step's K/V ``[n, Hkv, D]`` into this layer's columns: a packed row for every token, a full row for
+    the tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing).
+
+    PyTorch, with boolean indexing (a host sync): the reference of the Triton write, which CUDA runs."""
+    bs = packed.shape[1]
+    rows = slot.layout.to(k.device).pack(k, v)
+    full = torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
+    if fp8 is not None:
+        rows = _to_fp8(rows, slot.layout.k_index.numel(), k_scale, v_scale, fp8)
+        full = _to_fp8(full, k[0].numel(), k_scale, v_scale, fp8)
+    else:
+        rows, full = rows.to(packed.dtype), full.to(window.dtype)
+    p = packed_slots.long()
+    keep = p >= 0
+    if not bool(keep.all()):
+        p, rows = p[keep], rows[keep]
+    packed[p // bs, p % bs, slot.packed_offset : slot.packed_offset + rows.shape[1]] = rows
+    w = window_slots.long()
+    keep = w >= bs  # -1: padding, [0, bs): the null block (a token no later query reads fully)
+    w, full = w[keep], full[keep]
+    window[w // bs, w % bs, slot.window_offset : slot.window_offset + full.shape[1]] = full
+
+
+def _to_fp8(x: torch.Tensor, nk: int, k_scale: float, v_scale: float, fp8: torch.dtype) -> torch.Tensor:
+    """K columns ``[:nk]`` scaled by the K scale, the rest by the V scale, as fp8 bytes."""
+    scale = torch.full((x.shape[1],), v_scale, dtype=torch.float32, device=x.device)
+    scale[:nk] = k_scale
+    return (x.float() / scale).to(fp8).view(torch.uint8)
