@@ -208,6 +208,37 @@ def test_cli_push_refuses_a_broken_folder(hub: FakeHub, folder: Path, capsys: py
     assert titles("main") == ["initial commit"]
 
 
+@pytest.mark.parametrize(
+    "name, kind",
+    [("README.md", "link"), ("LICENSE", "link"), ("pattern.png", "link"), ("config.json", "link"),
+     ("eval.json", "fifo"), ("extra.png", "folder")],
+)
+def test_push_publishes_only_regular_files_inside_the_folder(
+    hub: FakeHub, folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, kind: str
+) -> None:
+    """Issue #31 H1: a card linked to a secret must not be published as the card (nor any other link)."""
+    import os
+
+    secret = tmp_path / "credentials"
+    # a link to a loadable config elsewhere is refused too: only what is inside the folder is published
+    secret.write_bytes((folder / name).read_bytes() if name == "config.json" else b"aws_secret_access_key = AKIA")
+    (folder / name).unlink(missing_ok=True)
+    if kind == "link":
+        (folder / name).symlink_to(secret)
+    elif kind == "fifo":
+        os.mkfifo(folder / name)
+    else:
+        (folder / name).mkdir()
+    assert leank(["push", str(folder), REPO]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"leank push: error: {REPO}") and name in err and err.count("\n") == 1, err
+    assert {"link": "symlink", "fifo": "pipe", "folder": "folder"}[kind] in err
+    assert REPO not in hub.repos  # nothing created, nothing uploaded
+    with pytest.raises(MaskError, match=name):
+        ChannelMask.from_dir(folder).push_to_hub(REPO, folder=folder)
+    assert REPO not in hub.repos
+
+
 def test_cli_push_hub_errors_are_one_line(hub: FakeHub, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_mask(1).push_to_hub(REPO)
     api().create_tag(REPO, tag="v1")

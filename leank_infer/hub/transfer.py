@@ -12,13 +12,13 @@ and ``HF_TOKEN`` (or the saved login) as usual.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..folders.names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
+from ..mask.folder import read_repo_files
 from ..mask.format import ALLOW_PATTERNS, CONFIG_FILE, MASK_FILE, MaskError
 
 if TYPE_CHECKING:
@@ -145,16 +145,13 @@ def _explain_missing(
     raise MaskError(message)
 
 
-def mask_repo_files(folder: str | os.PathLike) -> dict[str, Path]:
-    """The files of a mask repo folder that are pushed: top-level :data:`ALLOW_PATTERNS` matches, by name."""
+def mask_repo_files(folder: str | os.PathLike) -> dict[str, bytes]:
+    """The files of a mask repo folder that are pushed, by name: top-level :data:`ALLOW_PATTERNS` matches, read
+    once as regular files inside the folder (a link or anything else is refused; what is uploaded is what was read)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MaskError(f"{folder} is not a folder")
-    files = {
-        p.name: p
-        for p in sorted(folder.iterdir())
-        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in ALLOW_PATTERNS)
-    }
+    files = read_repo_files(folder)
     missing = [name for name in (MASK_FILE, CONFIG_FILE) if name not in files]
     if missing:
         raise MaskError(f"{folder} has no {' and no '.join(missing)}: nothing to push")
@@ -194,7 +191,7 @@ def upload_folder(
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision is not None and revision != "main":
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
     return api.create_commit(
         repo_id,
         operations,

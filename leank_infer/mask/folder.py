@@ -24,7 +24,10 @@ from .format import (
     MAX_CONFIG_BYTES,
     MAX_JSON_DEPTH,
     MAX_MASK_BYTES,
+    MAX_REPO_BYTES,
+    MAX_REPO_FILES,
     MaskError,
+    file_limit,
 )
 
 
@@ -65,14 +68,19 @@ class _Vanished(Exception):
     """A file disappeared while reading (the folder was being swapped, or it is missing)."""
 
 
-def _read_limited(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
-    """The bytes of regular file ``name`` in the folder open as ``dir_fd``, at most ``limit`` of them."""
+def _read_limited(dir_fd: int, folder: Path, name: str, limit: int, follow: bool = True) -> bytes:
+    """The bytes of regular file ``name`` in the folder open as ``dir_fd``, at most ``limit`` of them
+    (``follow=False``: a symlink is refused, not followed)."""
     path = folder / name
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)  # a FIFO must not block
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)  # a FIFO must not block
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         raise _Vanished(name) from None
     except OSError as e:
+        if not follow and stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+            raise MaskError(f"{path} is a symlink; only regular files inside the folder are read from it, "
+                            "never what a link points to") from None
         raise MaskError(f"{path} cannot be opened: {e.strerror}") from None
     try:
         info = os.fstat(fd)
@@ -91,6 +99,36 @@ def _read_limited(dir_fd: int, folder: Path, name: str, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_repo_files(folder: str | os.PathLike) -> dict[str, bytes]:
+    """The files of the mask repo ``folder`` that are published (:data:`ALLOW_PATTERNS`, by name), each read as
+    a regular file inside the folder, bounded (:func:`file_limit`).
+
+    A link among them is refused, not followed: a README.md linked to ``~/.aws/credentials`` would
+    otherwise be published as the card. So is a FIFO, a device or a folder of such a name.
+    """
+    folder = Path(folder)
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise MaskError(f"{folder} is not a folder that can be read: {e.strerror}") from None
+    try:
+        names = sorted(n for n in os.listdir(dir_fd) if any(fnmatch.fnmatch(n, pat) for pat in ALLOW_PATTERNS))
+        if len(names) > MAX_REPO_FILES:
+            raise MaskError(f"{folder} holds {len(names)} mask repo files; a mask repo has at most {MAX_REPO_FILES}")
+        files: dict[str, bytes] = {}
+        for name in names:
+            try:
+                files[name] = _read_limited(dir_fd, folder, name, file_limit(name), follow=False)
+            except _Vanished:
+                raise MaskError(f"{folder / name} disappeared while it was read; try again") from None
+        total = sum(map(len, files.values()))
+        if total > MAX_REPO_BYTES:
+            raise MaskError(f"{folder}'s mask repo files hold {total:,} bytes together; at most {MAX_REPO_BYTES:,}")
+        return files
+    finally:
+        os.close(dir_fd)
 
 
 def read_mask_files(folder: Path) -> tuple[bytes, bytes]:
