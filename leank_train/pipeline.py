@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
-from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
+from leank_infer.mask import MASK_FILE, ChannelMask, MaskError, check_mask_target
 
 from .cli import run_cli
 from .compare import MaskSnapshot, format_comparison, read_reference
@@ -182,6 +182,9 @@ def run(recipe: Recipe, *, stage: Literal[1, 2] | None = None, quick: bool = Fal
 
 
 def _run(recipe: Recipe, stages: tuple[int, ...] = (1, 2)) -> int:
+    # both export folders refused before anything loads or trains (not after stage 1 trained for an hour)
+    for folder in [recipe.scores_dir] * (1 in stages) + [recipe.output_dir] * (2 in stages):
+        check_mask_target(folder)
     start = time.perf_counter()
     references: dict[str, MaskSnapshot] = {}
 

@@ -32,17 +32,19 @@ class FolderError(ValueError):
     """The target of a folder write cannot be replaced safely; the message says why."""
 
 
-def refusal(target: Path, replaceable: Callable[[Path], bool], kind: str) -> str | None:
-    """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may)."""
+def refusal(target: Path, problem: Callable[[Path], str | None], kind: str) -> str | None:
+    """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may); ``problem(folder)``
+    says why a non-empty folder is not of that kind (None when it is)."""
     if target.name in ("", ".", "..") or target.resolve() == Path(target.anchor or "/").resolve():
         return f"{str(target)!r} is not a folder name leank can write a {kind} to (give a new or {kind} folder)"
     if target.is_symlink():
         return f"{target} is a symlink; leank does not replace links (remove it or give another folder)"
     if target.exists() and not target.is_dir():
         return f"{target} exists and is not a folder; leank will not replace it with a {kind}"
-    if target.is_dir() and any(target.iterdir()) and not replaceable(target):
+    why = problem(target) if target.is_dir() and any(target.iterdir()) else None
+    if why:
         return (
-            f"{target} is a folder that is not a {kind} (it holds other files); leank replaces only an empty "
+            f"{target} is a folder that is not a {kind} ({why}); leank replaces only an empty "
             f"folder or an older {kind}: give a new folder name"
         )
     return None
@@ -85,19 +87,19 @@ def _ordinary_permissions(folder: Path) -> None:
 
 
 def write_folder(
-    target: str | os.PathLike, fill: Callable[[Path], None], replaceable: Callable[[Path], bool], kind: str
+    target: str | os.PathLike, fill: Callable[[Path], None], problem: Callable[[Path], str | None], kind: str
 ) -> Path:
     """Make ``target`` a folder holding exactly what ``fill(tmp)`` writes into a fresh folder, in one swap.
 
     Raises :class:`FolderError` (nothing written) when ``target`` is a file, a symlink, ``/``, or a
-    non-empty folder for which ``replaceable`` is False. If ``fill`` fails, the target is untouched
+    non-empty folder for which ``problem`` gives a reason. If ``fill`` fails, the target is untouched
     and the temporary folder is removed.
     """
     target = Path(target)
-    why = refusal(target, replaceable, kind)
+    why = refusal(target, problem, kind)
     if why and target.parent.is_dir():
         with _locked(target.parent):  # a concurrent writer may have been mid-swap: look again while none is
-            why = refusal(target, replaceable, kind)
+            why = refusal(target, problem, kind)
     if why:
         raise FolderError(why)
     parent = target.parent
@@ -110,7 +112,7 @@ def write_folder(
         fill(tmp)
         _ordinary_permissions(tmp)
         with _locked(parent):
-            why = refusal(target, replaceable, kind)  # again: it may have changed while we wrote
+            why = refusal(target, problem, kind)  # again: it may have changed while we wrote
             if why:
                 raise FolderError(why)
             if target.is_dir() and _exchange(tmp, target):

@@ -26,27 +26,58 @@ from .format import (
     MAX_MASK_BYTES,
     MAX_REPO_BYTES,
     MAX_REPO_FILES,
+    READ_VERSIONS,
+    REQUIRED_KEYS,
     MaskError,
     file_limit,
 )
 
 
+def mask_repo_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a mask repo leank may replace (None when it is one).
+
+    A mask repo is recognised by its content: a ``config.json`` that parses as a leank mask config
+    (a format version leank reads, the required keys), beside nothing but a mask repo's own files
+    (mask, card, eval.json, plots, LICENSE), none of them a link. A user's folder with some other
+    ``config.json``, or a ``mask.safetensors`` among photos, is not one (``mask.safetensors`` itself may be
+    missing or damaged: a repo whose config says it is a mask repo may be replaced whole).
+    """
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        return f"it cannot be listed: {e.strerror}"
+    others = [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in ALLOW_PATTERNS)]
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        return f"it holds other files: {shown}"
+    if CONFIG_FILE not in names:
+        return f"it has no {CONFIG_FILE} (a mask repo is recognised by its leank {CONFIG_FILE})"
+    path = folder / CONFIG_FILE
+    try:
+        odd = [n for n in names if not stat.S_ISREG(os.lstat(folder / n).st_mode)]
+        if odd:
+            return f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} not a regular file"
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            check_config_header(parse_config(_read_limited(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES, False), path),
+                                path)
+        finally:
+            os.close(dir_fd)
+    except (OSError, _Vanished):
+        return "it changed while it was read"
+    except MaskError as e:
+        return f"its {CONFIG_FILE} is not a leank mask config: {str(e).replace(str(path), '').strip(' :')}"
+    return None
+
+
 def is_mask_repo(folder: Path) -> bool:
-    """Whether ``folder`` is a mask repo leank may replace: mask or config (a damaged repo may lack one),
-    and nothing but a mask repo's own files (mask, config, card, eval.json, plots), none of them a link."""
-    names = {p.name: p for p in folder.iterdir()}
-    return (
-        (MASK_FILE in names or CONFIG_FILE in names)
-        and all(
-            p.is_file() and not p.is_symlink() and any(fnmatch.fnmatch(n, pat) for pat in ALLOW_PATTERNS)
-            for n, p in names.items()
-        )
-    )
+    """Whether ``folder`` is a mask repo leank may replace (see :func:`mask_repo_problem`)."""
+    return mask_repo_problem(folder) is None
 
 
 def check_mask_target(target: str | os.PathLike) -> None:
     """Raise MaskError unless ``target`` is a place a mask repo may be written (new, empty, or a mask repo)."""
-    why = refusal(Path(target), is_mask_repo, "mask repo")
+    why = refusal(Path(target), mask_repo_problem, "mask repo")
     if why:
         raise MaskError(why)
 
@@ -59,7 +90,7 @@ def write_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
     take turns; readers see the old folder or the new one. See :mod:`leank_infer.folders.atomic`.
     """
     try:
-        return write_folder(target, fill, is_mask_repo, "mask repo")
+        return write_folder(target, fill, mask_repo_problem, "mask repo")
     except FolderError as e:
         raise MaskError(str(e)) from None
 
@@ -196,6 +227,17 @@ def parse_config(data: bytes, path: Path) -> dict[str, Any]:
     if _json_depth(cfg) > MAX_JSON_DEPTH:
         raise MaskError(f"{path} nests JSON too deeply (at most {MAX_JSON_DEPTH} levels)")
     return cfg
+
+
+def check_config_header(cfg: dict[str, Any], path: Path) -> None:
+    """Raise MaskError unless ``cfg`` (a parsed config.json) is a leank mask config this leank reads:
+    a known ``format_version`` and every required key."""
+    version = cfg.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise MaskError(f"{path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})")
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if missing:
+        raise MaskError(f"{path} lacks required keys: {', '.join(missing)}")
 
 
 def read_safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:

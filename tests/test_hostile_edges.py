@@ -1,0 +1,100 @@
+"""Issue #31, the edges: what a hostile or careless user still reached, each case one row.
+
+The high and medium items (H1-H3, M1-M9) each have a test that fails on the bug; the low cases are
+one table (:func:`test_low_cases_are_one_line`): one clear line, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_hostile import cli, tree
+from test_model import random_mask
+
+from leank_infer import ChannelMask
+from leank_infer.mask import CONFIG_FILE, MASK_FILE, MaskError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- H2: a folder is a mask repo by its content, never by a file name ----------------------------------
+def user_folder(tmp_path: Path, kind: str) -> Path:
+    """A folder of the user's that only looks like a mask repo by its file names."""
+    folder = tmp_path / kind
+    folder.mkdir()
+    if kind == "experiment":  # some app's config.json and a README
+        (folder / CONFIG_FILE).write_text(json.dumps({"my_app": 1}))
+        (folder / "README.md").write_text("# my experiment\n")
+    elif kind == "photos":  # a mask file among three photos, no config
+        random_mask().save_pretrained(tmp_path / "src")
+        (folder / MASK_FILE).write_bytes((tmp_path / "src" / MASK_FILE).read_bytes())
+        for name in ("a.png", "b.png", "c.png"):
+            (folder / name).write_bytes(b"\x89PNG holiday " + name.encode())
+    else:  # a config.json that is almost a mask config: leank's version, the keys of another program
+        (folder / CONFIG_FILE).write_text(json.dumps({"format_version": 1, "name": "mine"}))
+    return folder
+
+
+def _write(how: str, folder: Path, tmp_path: Path, capsys) -> str:
+    """Write a mask to ``folder`` the way ``how`` does; the error text (MaskError or the CLI's line)."""
+    from leank_infer.hub.card import write_model_card
+    from leank_train.export import write_mask_repo
+
+    if how == "import --force":
+        torch.save(torch.ones(2, 2, 16), tmp_path / "m.pth")
+        (tmp_path / "LICENSE").write_text("MIT License\n")
+        code, err = cli(["import", str(tmp_path / "m.pth"), str(folder), "--base-model", "org/m", "--force"], capsys)
+        assert code == 2
+        return err
+    with pytest.raises(MaskError) as e:
+        {"save_pretrained": lambda: random_mask().save_pretrained(folder),
+         "export": lambda: write_mask_repo(random_mask(), folder),
+         "card": lambda: write_model_card(folder)}[how]()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["experiment", "photos", "near-miss"])
+@pytest.mark.parametrize("how", ["save_pretrained", "export", "import --force", "card"])
+def test_a_folder_that_is_not_a_mask_repo_is_never_replaced(tmp_path, capsys, kind, how):
+    folder = user_folder(tmp_path, kind)
+    before = tree(folder)
+    err = _write(how, folder, tmp_path, capsys)
+    assert ("not a mask repo" in err or "lacks required keys" in err or "unknown format_version" in err
+            or "mask.safetensors is missing" in err or "config.json is missing" in err), err
+    assert tree(folder) == before
+    assert sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{kind}")) == []
+
+
+def test_the_refusal_says_why_the_folder_is_not_a_mask_repo(tmp_path):
+    for kind, why in [("experiment", "its config.json is not a leank mask config: unknown format_version None"),
+                      ("photos", "it has no config.json"),
+                      ("near-miss", "lacks required keys: num_layers")]:
+        with pytest.raises(MaskError, match=why):
+            random_mask().save_pretrained(user_folder(tmp_path, kind))
+
+
+def test_a_mask_repo_with_a_damaged_mask_file_is_still_replaced(tmp_path):
+    """What makes a mask repo is its config; a damaged or missing mask.safetensors is replaced whole."""
+    folder = random_mask(seed=1).save_pretrained(tmp_path / "m")
+    (folder / MASK_FILE).write_bytes(b"truncated")
+    random_mask(seed=2).save_pretrained(folder)
+    (folder / MASK_FILE).unlink()
+    random_mask(seed=3).save_pretrained(folder)
+    assert torch.equal(ChannelMask.from_dir(folder).keep, random_mask(seed=3).keep)
+
+
+@pytest.mark.parametrize("which", ["stage1_dir", "mask_dir"])
+def test_leank_run_refuses_a_user_folder_before_it_trains(tmp_path, capsys, which):
+    from test_faults import base_model, recipe
+
+    base = base_model(tmp_path / "base")
+    folder = user_folder(tmp_path / "r", "experiment") if (tmp_path / "r").mkdir() is None else None
+    path = recipe(tmp_path / "r", base, {which: str(folder)})
+    before = tree(folder)
+    code, err = cli(["run", str(path)], capsys)
+    assert code == 2 and "is a folder that is not a mask repo" in err, err
+    assert tree(folder) == before
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["experiment", "recipe.yaml"]  # nothing trained
