@@ -45,6 +45,41 @@ def test_card_update_swaps_the_folder_whole_and_a_failure_leaves_it(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [plot.name, "repo"]  # no half-written sibling
 
 
+def test_a_save_made_while_the_card_is_drawn_is_not_undone(tmp_path: Path, monkeypatch) -> None:
+    """Issue #31 H3: the card update read the folder, drew for a while, then swapped its stale copy in."""
+    folder = _mask_repo(tmp_path / "repo")
+    newer = ChannelMask.from_scores(torch.rand(2, 2, 8, generator=torch.Generator().manual_seed(7)), ratio=0.5,
+                                    align=2, base_model="org/newer")
+    real_plot, drawn = card.plot_pattern, []
+
+    def plot_while_another_process_saves(mask, path):
+        if not drawn:  # the first drawing: another process saves a new mask into the folder meanwhile
+            newer.save_pretrained(folder)
+        drawn.append(mask.base_model)
+        return real_plot(mask, path)
+
+    monkeypatch.setattr(card, "plot_pattern", plot_while_another_process_saves)
+    card.write_model_card(folder, [{"dataset": "needle-2k", "value": 0.25}])
+    got = ChannelMask.from_dir(folder)
+    assert torch.equal(got.keep, newer.keep) and got.base_model == "org/newer"  # the save stands
+    assert drawn == ["org/model", "org/newer"]  # the card was drawn again, for the folder as it now is
+    readme = (folder / "README.md").read_text()
+    assert "org/newer" in readme and "needle-2k" in readme
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
+def test_an_update_of_a_folder_that_never_stops_changing_gives_up_cleanly(tmp_path: Path) -> None:
+    folder = _mask_repo(tmp_path / "repo")
+
+    def fill(tmp: Path) -> None:
+        (folder / "eval.json").write_text("{}")  # someone edits the folder in place while it is read, every time
+        (tmp / "README.md").write_text("x")
+
+    with pytest.raises(atomic.FolderChanged, match="kept changing"):
+        atomic.update_folder(folder, fill, lambda f: None, "mask repo", attempts=3)
+    assert (folder / "mask.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
 def test_card_update_refuses_a_folder_that_is_not_a_mask_repo(tmp_path: Path) -> None:
     from leank_infer import MaskError
 

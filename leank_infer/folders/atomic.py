@@ -32,6 +32,10 @@ class FolderError(ValueError):
     """The target of a folder write cannot be replaced safely; the message says why."""
 
 
+class FolderChanged(FolderError):
+    """The folder was replaced or changed after it was read, so a swap would undo that change (a lost update)."""
+
+
 def refusal(target: Path, problem: Callable[[Path], str | None], kind: str) -> str | None:
     """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may); ``problem(folder)``
     says why a non-empty folder is not of that kind (None when it is)."""
@@ -86,14 +90,66 @@ def _ordinary_permissions(folder: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
+def generation(folder: Path) -> tuple:
+    """A stamp of what ``folder`` is now: its identity (a swap makes another folder) and each entry's name,
+    identity, size and change time (an edit in place). Two reads of the same version give the same stamp."""
+    info = os.stat(folder)
+    entries = []
+    for name in sorted(os.listdir(folder)):
+        try:
+            e = os.lstat(folder / name)
+        except FileNotFoundError:
+            continue
+        entries.append((name, e.st_ino, e.st_size, e.st_mtime_ns, e.st_ctime_ns))
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, tuple(entries))
+
+
+def update_folder(
+    target: str | os.PathLike,
+    fill: Callable[[Path], None],
+    problem: Callable[[Path], str | None],
+    kind: str,
+    attempts: int = 5,
+) -> Path:
+    """Read-modify-write of the existing folder ``target``: ``fill(tmp)`` reads ``target`` and writes its new
+    content, which replaces it in one swap only if ``target`` is still the version ``fill`` read.
+
+    If another writer replaced or changed it meanwhile (an export or a save while a card was drawn), the
+    swap is not made (it would undo that write) and ``fill`` runs again on the new version, up to
+    ``attempts`` times; then :class:`FolderChanged`. The folder is held open while it is read, so its
+    identity cannot be reused by a newer folder in between.
+    """
+    target = Path(target)
+    for _ in range(attempts):
+        try:
+            held = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FolderError(f"{target} cannot be opened to update it: {e.strerror}") from None
+        try:
+            with _locked(target.parent):  # not halfway through another writer's swap
+                stamp = generation(target)
+            try:
+                return write_folder(target, fill, problem, kind, expected=stamp)
+            except FolderChanged:
+                continue
+        finally:
+            os.close(held)
+    raise FolderChanged(f"{target} kept changing while it was being updated ({attempts} tries); try again")
+
+
 def write_folder(
-    target: str | os.PathLike, fill: Callable[[Path], None], problem: Callable[[Path], str | None], kind: str
+    target: str | os.PathLike,
+    fill: Callable[[Path], None],
+    problem: Callable[[Path], str | None],
+    kind: str,
+    expected: tuple | None = None,
 ) -> Path:
     """Make ``target`` a folder holding exactly what ``fill(tmp)`` writes into a fresh folder, in one swap.
 
     Raises :class:`FolderError` (nothing written) when ``target`` is a file, a symlink, ``/``, or a
     non-empty folder for which ``problem`` gives a reason. If ``fill`` fails, the target is untouched
-    and the temporary folder is removed.
+    and the temporary folder is removed. ``expected``: the :func:`generation` the target must still have
+    at the swap (else :class:`FolderChanged`, nothing replaced); see :func:`update_folder`.
     """
     target = Path(target)
     why = refusal(target, problem, kind)
@@ -115,6 +171,8 @@ def write_folder(
             why = refusal(target, problem, kind)  # again: it may have changed while we wrote
             if why:
                 raise FolderError(why)
+            if expected is not None and (not target.is_dir() or generation(target) != expected):
+                raise FolderChanged(f"{target} changed after it was read; the update was not swapped in")
             if target.is_dir() and _exchange(tmp, target):
                 pass  # tmp now holds the old folder
             elif target.is_dir():  # no atomic exchange here: move the old one aside, then in (put back on failure)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..folders.atomic import FolderError, refusal, write_folder
+from ..folders.atomic import FolderError, refusal, update_folder, write_folder
 from .format import (
     ALLOW_PATTERNS,
     CONFIG_FILE,
@@ -91,6 +91,16 @@ def write_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
     """
     try:
         return write_folder(target, fill, mask_repo_problem, "mask repo")
+    except FolderError as e:
+        raise MaskError(str(e)) from None
+
+
+def update_mask_folder(target: str | os.PathLike, fill: Any) -> Path:
+    """Rewrite the mask repo ``target`` from itself: ``fill(tmp)`` reads ``target`` and writes the new folder,
+    swapped in only if ``target`` did not change meanwhile (else ``fill`` runs again on the new version), so
+    an export or save made while, say, a card was drawn is never undone. See :func:`update_folder`."""
+    try:
+        return update_folder(target, fill, mask_repo_problem, "mask repo")
     except FolderError as e:
         raise MaskError(str(e)) from None
 
