@@ -98,3 +98,53 @@ def test_leank_run_refuses_a_user_folder_before_it_trains(tmp_path, capsys, whic
     assert code == 2 and "is a folder that is not a mask repo" in err, err
     assert tree(folder) == before
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["experiment", "recipe.yaml"]  # nothing trained
+
+
+# ---- M2 and the low override cases: a mask's config_overrides are checked before any weight exists ----------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_hidden_layers": 300}, "no longer fits the mask: .*num_layers is 2 in the mask but 300"),
+        ({"num_hidden_layers": 1000}, "no longer fits the mask"),
+        ({"num_key_value_heads": 4}, "no longer fits the mask: .*num_kv_heads"),
+        ({"vocab_size": 100_000}, r"change the shape of the base model.s weights \(lm_head.weight: \(128, 64\) -> \(100000, 64\), and 1 more"),
+        ({"hidden_size": 128}, "change the shape of the base model's weights"),
+        ({"intermediate_size": 7}, "change the shape of the base model's weights"),
+        ({"hidden_act": "nope"}, "describe a model that cannot be built"),
+        ({"num_attention_heads": 0}, "cannot be built|shape unreadable"),
+        ({"return_dict": False}, "may not set return_dict"),
+        ({"use_cache": False}, "may not set use_cache"),
+        ({"output_attentions": True}, "may not set output_attentions"),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
+)
+def test_config_overrides_are_checked_before_the_model_is_built(tmp_path, monkeypatch, overrides, message):
+    import transformers
+    from test_hostile import write_config
+    from test_model import tiny_repo
+
+    from leank_infer import LeanKModel
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"), config_overrides=overrides)
+
+    def never(*a, **k):
+        raise AssertionError("the model must not be built")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(MaskError, match=message):
+        LeanKModel.from_pretrained(mask_dir)
+
+
+def test_overrides_that_retune_the_model_still_load(tmp_path):
+    from test_hostile import write_config
+    from test_model import tiny_repo
+
+    from leank_infer import LeanKModel
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
+    write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"),
+                 config_overrides={"rope_parameters": rope, "max_position_embeddings": 4096, "rms_norm_eps": 1e-3})
+    m = LeanKModel.from_pretrained(mask_dir)
+    assert m.model.config.rope_parameters["rope_type"] == "yarn" and m.model.config.rms_norm_eps == 1e-3

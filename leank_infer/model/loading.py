@@ -303,3 +303,62 @@ def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[st
             f"config_overrides {unknown} are not attributes of {type(config).__name__} (the base model's config); "
             "a mask may override only model config attributes"
         )
+    check_overridden_config(mask, config, overrides)
+
+
+def _output_form_attributes() -> frozenset[str]:
+    """Config attributes every model has that choose the form of its outputs, not the model (``return_dict``,
+    ``output_attentions``, ...) or whether it caches at all (``use_cache``: LeanK decodes through its cache)."""
+    from transformers import PretrainedConfig
+
+    return frozenset(PretrainedConfig().to_dict()) | {"use_cache"}
+
+
+def _meta_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Parameter and buffer shapes of the model ``config`` describes, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -> None:
+    """Raise MaskError unless the base model's ``config`` with the mask's ``overrides`` still describes a model
+    the base model's weights load into and the mask fits, checked before any weight is allocated.
+
+    Overrides may retune a model (YaRN's ``rope_parameters``), never reshape it: ``num_hidden_layers``
+    300 would build a 4 GB model before the mask's shape check, ``vocab_size`` or ``hidden_size`` give
+    weights the checkpoint cannot fill, an unknown ``hidden_act`` or 0 heads cannot be built, and
+    ``return_dict``/``use_cache`` change what the model returns. The model is built on the meta device.
+    """
+    import copy
+
+    from ..mask import MaskError
+
+    form = sorted(k for k in overrides if k in _output_form_attributes())
+    if form:
+        raise MaskError(f"config_overrides may not set {', '.join(form)}: they change what the model returns or "
+                        "whether it caches, not the model the mask was learned on")
+    changed = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(changed, name, value)
+    try:
+        mask.validate(changed)  # the mask's own shape first: cheap, and the clearest message
+    except MaskError as e:
+        raise MaskError(f"with its config_overrides the base model no longer fits the mask: {e}") from None
+    except (ArithmeticError, TypeError, ValueError, AttributeError) as e:
+        raise MaskError(f"config_overrides {sorted(overrides)} make the model's shape unreadable: {e}") from None
+    try:
+        before, after = _meta_shapes(config), _meta_shapes(changed)
+    except Exception as e:  # noqa: BLE001 - any failure to build means the overrides describe no model
+        text = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise MaskError(f"config_overrides {sorted(overrides)} describe a model that cannot be built ({text})") from None
+    differ = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    if differ:
+        n = differ[0]
+        raise MaskError(
+            f"config_overrides {sorted(overrides)} change the shape of the base model's weights ({n}: "
+            f"{before.get(n, 'absent')} -> {after.get(n, 'absent')}{f', and {len(differ) - 1} more' if len(differ) > 1 else ''}); "
+            "the checkpoint cannot load into that model"
+        )
