@@ -217,3 +217,50 @@ def test_an_adapter_with_a_plain_regex_still_applies_as_peft_would(tmp_path, ala
     got = apply_adapter(copy.deepcopy(base), folder)(ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got, base(ids).logits, atol=1e-3)
+
+
+# ---- M3 and the low .pth cases: `leank import` checks sizes before it materialises anything ---------------------
+def _pth(tmp_path: Path, case: str) -> Path:
+    import zipfile
+
+    path = tmp_path / "in" / "m.pth"
+    path.parent.mkdir()
+    (path.parent / "LICENSE").write_text("MIT License\n")
+    if case == "stride-0-view":  # 1.6 KB on disk, 10^8 elements (2 x 10^9 in the issue) once compared
+        torch.save(torch.zeros(1, 1, 1, dtype=torch.uint8).expand(100, 1000, 1000), path)
+    elif case == "zip-bomb":  # an 80 MB storage deflated to ~80 KB: torch's reader would inflate it
+        plain = tmp_path / "plain.pth"
+        torch.save(torch.zeros(80, 1000, 1000, dtype=torch.uint8), plain)
+        with zipfile.ZipFile(plain) as src, zipfile.ZipFile(path, "w") as dst:
+            for info in src.infolist():
+                dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+        plain.unlink()
+    elif case == "legacy":
+        torch.save(torch.ones(2, 2, 16), path, _use_new_zipfile_serialization=False)
+    elif case == "sparse":
+        torch.save(torch.ones(2, 2, 16).to_sparse(), path)
+    elif case == "meta":
+        torch.save(torch.empty(2, 2, 16, device="meta"), path)
+    elif case == "huge-file":
+        torch.save(torch.ones(2, 2, 16), path)
+        with open(path, "r+b") as f:
+            f.truncate(100 << 20)  # sparse on disk
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("stride-0-view", "the tensor has 100,000,000 elements; a mask has at most 67,108,864"),
+        ("zip-bomb", "is compressed; torch.save stores its entries as they are"),
+        ("legacy", "not a torch.save zip archive"),
+        ("sparse", "got a torch.sparse_coo tensor"),
+        ("meta", "tensor on meta"),
+        ("huge-file", "is 104,857,600 bytes; a mask file is at most 67,108,864"),
+    ],
+)
+def test_import_checks_sizes_before_it_loads(tmp_path, capsys, case, message):
+    src = _pth(tmp_path, case)
+    code, err = cli(["import", str(src), str(tmp_path / "out"), "--base-model", "org/m"], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
