@@ -12,6 +12,7 @@ and ``HF_TOKEN`` (or the saved login) as usual.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..folders.names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
 from ..mask.folder import read_repo_files
-from ..mask.format import ALLOW_PATTERNS, CONFIG_FILE, MASK_FILE, MaskError
+from ..mask.format import (
+    ALLOW_PATTERNS,
+    CONFIG_FILE,
+    MASK_FILE,
+    MAX_REPO_BYTES,
+    MAX_REPO_FILES,
+    MaskError,
+    file_limit,
+)
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -84,7 +93,17 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     if is_offline():
         hub_kwargs["local_files_only"] = True
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, **hub_kwargs))
+        folder = None
+        if revision is not None and _COMMIT_RE.fullmatch(revision) and not hub_kwargs.get("local_files_only"):
+            try:  # a commit pulled before is served from the cache without a request (its sizes were checked then)
+                folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                                **{**hub_kwargs, "local_files_only": True}))
+            except LocalEntryNotFoundError:
+                folder = None
+        if folder is None:
+            names = None if hub_kwargs.get("local_files_only") else checked_download(repo_id, revision, hub_kwargs)
+            allow = ALLOW_PATTERNS if names is None else names  # None: the Hub cannot be asked; the cache is used
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, **hub_kwargs))
     except HFValidationError as e:
         raise MaskError(f"{repo_id!r} is neither a local folder nor a valid Hub repo id: {e}") from None
     except RevisionNotFoundError:
@@ -114,6 +133,41 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     if missing:
         _explain_missing(repo_id, revision, folder, missing, hub_kwargs)
     return folder
+
+
+def checked_download(repo_id: str, revision: str | None, hub_kwargs: dict[str, Any]) -> list[str] | None:
+    """The files of the repo that a pull downloads, once their sizes (the Hub's listing) are checked against
+    the limits a mask folder is read with (:func:`~leank_infer.mask.format.file_limit`, a count and a total),
+    so nothing over them is downloaded at all. Only top-level mask repo files: ``*.png`` must not pull a
+    folder of photos. None when the Hub cannot be asked (unreachable: the cache is used, as before)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"))
+    try:
+        entries = list(api.list_repo_tree(repo_id, revision=revision, recursive=True))
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
+        raise  # named by the caller, as snapshot_download's own
+    except Exception:  # noqa: BLE001 - unreachable, refused, down: snapshot_download decides (cache or error)
+        return None
+    sizes = {
+        e.path: int(getattr(e, "size", 0) or 0) for e in entries
+        if getattr(e, "size", None) is not None and "/" not in e.path
+        and any(fnmatch.fnmatch(e.path, pat) for pat in ALLOW_PATTERNS)
+    }
+    where = _where(repo_id, revision)
+    if len(sizes) > MAX_REPO_FILES:
+        raise MaskError(f"{where} holds {len(sizes)} mask repo files; a mask repo has at most {MAX_REPO_FILES} "
+                        "(nothing was downloaded)")
+    big = [(n, b) for n, b in sorted(sizes.items()) if b > file_limit(n)]
+    if big:
+        name, size = big[0]
+        raise MaskError(f"{where}: {name} is {size:,} bytes; a mask's {name} may hold at most {file_limit(name):,} "
+                        "(nothing was downloaded)")
+    if sum(sizes.values()) > MAX_REPO_BYTES:
+        raise MaskError(f"{where}: its mask repo files hold {sum(sizes.values()):,} bytes together; at most "
+                        f"{MAX_REPO_BYTES:,} (nothing was downloaded)")
+    return sorted(sizes)
 
 
 def _explain_missing(
