@@ -7,6 +7,7 @@ one table (:func:`test_low_cases_are_one_line`): one clear line, exit code 2, no
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,148 @@ def test_import_checks_sizes_before_it_loads(tmp_path, capsys, case, message):
     code, err = cli(["import", str(src), str(tmp_path / "out"), "--base-model", "org/m"], capsys)
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# ---- M5: the de-quantised copy is checked by content, not size alone ------------------------------------------
+@pytest.fixture
+def fake_embedded(tmp_path, monkeypatch):
+    """``_embedded_copy`` of a fake GGUF in a fresh LEANK_CACHE, the de-quantisation stood in for by a tiny model."""
+    from conftest import tiny_model
+
+    import leank_infer.model.loading as loading
+
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)
+    gguf = tmp_path / "pkg" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    model = tiny_model("llama")
+
+    class FakeAuto:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            return model
+
+        @staticmethod
+        def from_config(config, **k):
+            return type(model)(config)
+
+    class FakeTok:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            class T:
+                def save_pretrained(self, folder):
+                    Path(folder, "tokenizer.json").write_text("{}")
+            return T()
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM", FakeAuto)
+    monkeypatch.setattr("transformers.AutoTokenizer", FakeTok)
+    return lambda: loading._embedded_copy(gguf)
+
+
+@pytest.mark.parametrize("damage", ["header-byte", "weights-0xff"])
+def test_a_cached_copy_damaged_in_place_is_rebuilt(fake_embedded, monkeypatch, damage):
+    import leank_infer.model.loading as loading
+
+    copy = fake_embedded()
+    weights = copy / "model.safetensors"
+    good, size = weights.read_bytes(), weights.stat().st_size
+    assert loading.copy_problem(copy) is None
+    with open(weights, "r+b") as f:  # the size stays: only the content tells
+        if damage == "header-byte":
+            f.seek(20)
+            f.write(bytes([good[20] ^ 0x20]))
+        else:
+            f.seek(size // 4)
+            f.write(b"\xff" * (size // 2))
+    assert weights.stat().st_size == size
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)  # a new process
+    assert "model.safetensors does not hash to what was written" in loading.copy_problem(copy)
+    with pytest.warns(UserWarning, match="damaged.*rebuilding"):
+        assert fake_embedded() == copy
+    assert weights.read_bytes() == good and loading.copy_problem(copy) is None
+
+
+def test_a_copy_from_before_the_hash_record_gets_one(fake_embedded, monkeypatch):
+    import leank_infer.model.loading as loading
+
+    copy = fake_embedded()
+    (copy / loading.COPY_HASHES).unlink()  # as an older leank wrote it: sizes only
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)
+    assert loading.copy_problem(copy) is None and (copy / loading.COPY_HASHES).is_file()
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)
+    assert "does not hash" in loading.copy_problem(copy)
+
+
+def test_the_hashes_are_checked_once_per_process(fake_embedded, monkeypatch):
+    import leank_infer.model.loading as loading
+
+    copy = fake_embedded()
+    calls = []
+    real = loading._sha256
+    monkeypatch.setattr(loading, "_sha256", lambda p: calls.append(p.name) or real(p))
+    for _ in range(3):
+        assert fake_embedded() == copy
+    assert sorted(calls) == sorted(json.loads((copy / loading.COPY_HASHES).read_text()))  # each file once
+
+
+# ---- LEANK_CACHE: one function decides where the cache is, and says why a value cannot work ----------------------
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("relative/cache", "LEANK_CACHE='relative/cache' is a relative path"),
+        ("FILE", "exists and is not a folder"),
+        ("FILE/sub", "cannot make the folder"),
+        ("READ-ONLY", "is read-only for this user"),
+    ],
+)
+def test_a_leank_cache_that_cannot_work_is_one_clear_error(tmp_path, monkeypatch, capsys, value, message):
+    import leank_infer.folders.cache_root as where
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ro").mkdir()
+    if value == "READ-ONLY":  # what a non-root user sees in a folder without write permission (tests may run as root)
+        real = os.access
+        monkeypatch.setattr(where.os, "access", lambda p, mode: False if Path(p) == tmp_path / "ro" else real(p, mode))
+    value = {"FILE": str(tmp_path / "file"), "FILE/sub": str(tmp_path / "file" / "sub"),
+             "READ-ONLY": str(tmp_path / "ro")}.get(value, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LEANK_CACHE", value)
+    with pytest.raises(where.CacheRootError, match=message):
+        where.cache_root()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mask = Path(__file__).resolve().parent.parent / "hub" / "smollm2-135m-instruct"  # on the embedded model
+    code, err = cli(["generate", str(mask), "--prompt", "hi"], capsys)  # whose de-quantised copy needs the cache
+    assert code == 2 and message.replace("\\", "") in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]  # nothing written anywhere
+
+
+def test_an_empty_leank_cache_is_the_default_not_the_current_folder(tmp_path, monkeypatch):
+    from leank_infer.folders.cache_root import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "  "):
+        monkeypatch.setenv("LEANK_CACHE", value)
+        assert cache_root() == tmp_path / "home" / ".cache" / "leank"
+    monkeypatch.setenv("LEANK_CACHE", "~/elsewhere")
+    assert cache_root() == tmp_path / "home" / "elsewhere"
+
+
+def test_a_read_only_cache_with_a_good_copy_is_still_used(fake_embedded, monkeypatch):
+    import leank_infer.folders.cache_root as where
+    import leank_infer.model.loading as loading
+
+    copy = fake_embedded()
+    (copy / loading.COPY_HASHES).unlink()  # an older copy, which a writable cache would get a hash record for
+    monkeypatch.setattr(where.os, "access", lambda p, mode: False)
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)
+    monkeypatch.setattr(loading, "write_file", lambda *a: (_ for _ in ()).throw(PermissionError(13, "read-only")),
+                        raising=False)
+    assert fake_embedded() == copy
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(loading.BaseModelError, match="is read-only for this user"):  # a rebuild would write
+        fake_embedded()
