@@ -410,3 +410,83 @@ def test_a_read_only_cache_with_a_good_copy_is_still_used(fake_embedded, monkeyp
     (copy / "model.safetensors").unlink()
     with pytest.raises(loading.BaseModelError, match="is read-only for this user"):  # a rebuild would write
         fake_embedded()
+
+
+# ---- M6: recipe inputs that hung or blew up ------------------------------------------------------------------
+def _anchor_bomb() -> str:
+    """The 'billion laughs' of YAML: nine levels of nine aliases, 9^9 nodes once expanded, ~500 bytes."""
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("fifo-include", "is not a regular file"),
+        ("fifo-recipe", "is not a regular file"),
+        ("anchor-bomb", "expands to 490,329,064 YAML nodes through its aliases"),
+        ("bomb-include", "expands to 490,329,064 YAML nodes"),
+        ("include-loop", "its config: includes loop"),
+        ("secret-as-config", "is not valid YAML: "),
+        ("dev-zero-recipe", "is not a regular file"),
+    ],
+)
+def test_a_recipe_file_that_would_hang_or_blow_up_is_one_line(tmp_path, capsys, alarm, case, message):
+    recipe = tmp_path / "recipe.yaml"
+    if case in ("fifo-include", "fifo-recipe"):
+        os.mkfifo(tmp_path / "fifo.yaml")
+        recipe.write_text("config: fifo.yaml\nout_dir: x\n")
+        if case == "fifo-recipe":
+            recipe = tmp_path / "fifo.yaml"
+    elif case == "anchor-bomb":
+        recipe.write_text(_anchor_bomb())
+        assert len(_anchor_bomb()) < 600
+    elif case == "bomb-include":
+        (tmp_path / "bomb.yaml").write_text(_anchor_bomb())
+        recipe.write_text("config: bomb.yaml\n")
+    elif case == "include-loop":
+        recipe.write_text("config: other.yaml\n")
+        (tmp_path / "other.yaml").write_text("config: recipe.yaml\n")
+    elif case == "secret-as-config":  # a mistaken --config /etc/shadow: named, never printed
+        recipe.write_text("root: $6$hunter2hash\n  password: [hunter2\n")
+    else:
+        recipe = Path("/dev/zero")
+    alarm(20)
+    args = ["run", "--config", str(recipe)] if case == "secret-as-config" else ["run", str(recipe)]
+    code, err = cli(args, capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert "hunter2" not in err
+    code, err = cli(["fit", "--config", str(recipe)], capsys)  # a stage config: the same checks
+    assert code == 2 and message in err and "hunter2" not in err, err
+
+
+@pytest.mark.parametrize("case", ["dev-zero", "fifo", "root-folder", "fifo-in-folder", "deep-folder"])
+def test_a_haystack_that_would_hang_or_blow_up_is_refused(tmp_path, alarm, case):
+    from leank_train.data.haystack import haystack_text
+    from leank_train.errors import RecipeError
+
+    if case in ("fifo", "fifo-in-folder"):
+        (tmp_path / "h").mkdir()
+        os.mkfifo(tmp_path / "h" / "a.txt")
+    if case == "deep-folder":  # text only below the folder: not read (a folder's own *.txt are)
+        (tmp_path / "h" / "sub").mkdir(parents=True)
+        (tmp_path / "h" / "sub" / "a.txt").write_text("deep")
+    spec = {"dev-zero": "/dev/zero", "fifo": str(tmp_path / "h" / "a.txt"), "root-folder": "/"}.get(
+        case, str(tmp_path / "h"))
+    alarm(20)
+    with pytest.raises(RecipeError, match="not a regular file|holds no \\*.txt file"):
+        haystack_text(spec)
+
+
+def test_a_haystack_file_is_read_only_as_far_as_needed(tmp_path, monkeypatch):
+    from leank_train.data.haystack import haystack_text
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(4 << 30)  # 4 GB of zeros, sparse on disk: reading it whole would take gigabytes
+    assert len(haystack_text(str(big), max_chars=1000)) == 1000
+    (tmp_path / "h").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / "h" / f"{name}.txt").write_text(name * 600)
+    assert haystack_text(str(tmp_path / "h"), max_chars=1000) == "a" * 600 + " " + "b" * 399
