@@ -490,3 +490,36 @@ def test_a_haystack_file_is_read_only_as_far_as_needed(tmp_path, monkeypatch):
     for name in ("a", "b", "c"):
         (tmp_path / "h" / f"{name}.txt").write_text(name * 600)
     assert haystack_text(str(tmp_path / "h"), max_chars=1000) == "a" * 600 + " " + "b" * 399
+
+
+# ---- M7: the whole recipe is checked before the first step ------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stage1.steps", "-1"], "--stage1.steps: must be at least 1, got -1"),
+        (["--stage2.steps", "0"], "--stage2.steps: must be at least 1, got 0"),
+        (["--sink_size", "-1"], "--sink_size: must be at least 0, got -1"),
+        (["--decode_recent_size", "-1"], "--decode_recent_size: must be at least 0, got -1"),
+        (["--accumu_size", "0"], "--accumu_size: must be at least 1, got 0"),
+        (["--sink_size", str(2**31)], "--sink_size: must be at most 2,147,483,647"),
+        (["--stage1.lr", "0"], "--stage1.lr: must be above 0"),
+        (["--ratio", "1.0"], "--ratio: must be in [0, 1)"),
+        (["--min_length", "500", "--max_length", "100"], "--max_length: must be at least --min_length (500)"),
+    ],
+)
+def test_leank_run_checks_the_whole_recipe_before_it_trains(tmp_path, capsys, args, message):
+    from test_faults import base_model, recipe
+
+    base = base_model(tmp_path / "base")
+    path = recipe(tmp_path / "r", base)
+    code, err = cli(["run", str(path), *args], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["recipe.yaml"]  # nothing loaded, trained, written
+
+
+def test_the_committed_recipes_pass_the_recipe_checks():
+    from leank_train.pipeline import load_recipe
+    from leank_train.recipe_checks import recipe_problems
+
+    recipes = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+    assert recipes and {p.name: recipe_problems(load_recipe(p)) for p in recipes} == {p.name: [] for p in recipes}
