@@ -10,6 +10,11 @@ take turns), exchanges it with the target in one ``renameat2(RENAME_EXCHANGE)`` 
 (else two renames) and removes the old one. What may be replaced is decided up front, before
 anything is written: only a folder the caller recognises as its own kind (a mask repo) or an empty
 one; a file, a symlink, ``/`` or any other folder is refused.
+
+What a killed writer leaves is put right by the next one to take the lock (:func:`tidy`): a new
+folder half-filled (``.NAME.new-*``, locked while it is filled, so a live one is never taken) is
+removed, and without the exchange, a target moved aside (``.NAME.old-*/x``) when the writer died
+between its two renames is put back, so the mask never vanishes into a hidden folder.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -63,6 +69,82 @@ def _locked(folder: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+_SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>new|old|gone)-[A-Za-z0-9_]{8}")
+
+
+@contextmanager
+def _fresh(parent: Path, name: str, kind: str, parent_locked: bool = False) -> Iterator[Path]:
+    """A new hidden sibling folder ``.NAME.KIND-XXXXXXXX``, flock-ed while the block runs: :func:`tidy` (under the
+    parent's lock, as the folder is made and locked) takes only unlocked ones, whose writer died."""
+
+    def make() -> tuple[Path, int]:
+        folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return folder, fd
+
+    if parent_locked:
+        folder, fd = make()
+    else:
+        with _locked(parent):
+            folder, fd = make()
+    try:
+        yield folder
+    finally:
+        os.close(fd)
+
+
+def _held(folder: Path) -> bool:
+    """Whether a live process holds ``folder``'s flock (it is still being filled)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def tidy(target: Path) -> None:
+    """Put right what killed writers of ``target`` left beside it; call it holding the parent's lock.
+
+    A target moved aside (``.NAME.old-*/x``) while the target is missing is put back (the newest); other
+    ``.NAME.old-*`` and ``.NAME.gone-*`` folders, and ``.NAME.new-*`` folders no live writer holds, are removed.
+    """
+    parent = target.parent
+    try:
+        entries = [(m.group("kind"), parent / n) for n in os.listdir(parent)
+                   if (m := _SIBLING.fullmatch(n)) and m.group("name") == target.name]
+    except OSError:
+        return
+    aside = sorted((p for kind, p in entries if kind == "old" and (p / "x").is_dir()),
+                   key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    if aside and not os.path.lexists(target):
+        try:
+            os.rename(aside[0] / "x", target)
+        except OSError:
+            pass
+    for kind, p in entries:
+        if kind == "new" and _held(p):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def recover_folder(target: str | os.PathLike) -> None:
+    """Put back ``target`` if a writer died between the two renames of a swap (see :func:`tidy`)."""
+    target = Path(target)
+    if target.parent.is_dir():
+        try:
+            with _locked(target.parent):
+                tidy(target)
+        except OSError:
+            pass
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -152,10 +234,12 @@ def write_folder(
     at the swap (else :class:`FolderChanged`, nothing replaced); see :func:`update_folder`.
     """
     target = Path(target)
-    why = refusal(target, problem, kind)
-    if why and target.parent.is_dir():
-        with _locked(target.parent):  # a concurrent writer may have been mid-swap: look again while none is
+    if target.parent.is_dir():
+        with _locked(target.parent):  # not halfway through another writer's swap; put right what a killed one left
+            tidy(target)
             why = refusal(target, problem, kind)
+    else:
+        why = refusal(target, problem, kind)
     if why:
         raise FolderError(why)
     parent = target.parent
@@ -163,58 +247,66 @@ def write_folder(
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FolderError(f"cannot make the folder {parent} to hold {target.name}: {e.strerror}") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=parent))
-    try:
-        fill(tmp)
-        _ordinary_permissions(tmp)
-        with _locked(parent):
-            why = refusal(target, problem, kind)  # again: it may have changed while we wrote
-            if why:
-                raise FolderError(why)
-            if expected is not None and (not target.is_dir() or generation(target) != expected):
-                raise FolderChanged(f"{target} changed after it was read; the update was not swapped in")
-            if target.is_dir() and _exchange(tmp, target):
-                pass  # tmp now holds the old folder
-            elif target.is_dir():  # no atomic exchange here: move the old one aside, then in (put back on failure)
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=parent))
-                os.rename(target, old / "x")
-                try:
+    with _fresh(parent, target.name, "new") as tmp:
+        try:
+            fill(tmp)
+            _ordinary_permissions(tmp)
+            with _locked(parent):
+                why = refusal(target, problem, kind)  # again: it may have changed while we wrote
+                if why:
+                    raise FolderError(why)
+                if expected is not None and (not target.is_dir() or generation(target) != expected):
+                    raise FolderChanged(f"{target} changed after it was read; the update was not swapped in")
+                if target.is_dir() and _exchange(tmp, target):
+                    pass  # tmp now holds the old folder
+                elif target.is_dir():
+                    _swap_by_renames(tmp, target)
+                    return target
+                else:
                     os.rename(tmp, target)
-                except BaseException:
-                    os.rename(old / "x", target)
-                    os.rmdir(old)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)
-                return target
-            else:
-                os.rename(tmp, target)
-                return target
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)  # the old folder
+                    return target
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the old folder
     return target
+
+
+def _swap_by_renames(new: Path, target: Path) -> None:
+    """No atomic exchange here: move the old folder aside, then the new one in; put the old one back if that
+    fails. A crash between the two renames leaves the old one in ``.NAME.old-*/x``, which :func:`tidy` puts back."""
+    with _fresh(target.parent, target.name, "old", parent_locked=True) as old:
+        os.rename(target, old / "x")
+        try:
+            os.rename(new, target)
+        except BaseException:
+            os.rename(old / "x", target)  # if this fails too, old/x stays where tidy() finds it
+            os.rmdir(old)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def create_folder(target: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     """Make ``target`` what ``fill(tmp)`` writes into a fresh sibling, renamed into place, unless another
     process made it first (its folder is kept, ours dropped): a cache entry built once, never seen half-written.
 
-    If ``fill`` fails, nothing is left behind.
+    If ``fill`` fails, nothing is left behind; what a killed builder left is removed first (:func:`tidy`).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
-    try:
-        fill(tmp)
-        _ordinary_permissions(tmp)
+    with _locked(target.parent):
+        tidy(target)
+    with _fresh(target.parent, target.name, "new") as tmp:
         try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race: use its folder
+            fill(tmp)
+            _ordinary_permissions(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:  # another process won the race: use its folder
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
     return target
 
 
@@ -224,12 +316,12 @@ def remove_folder(target: str | os.PathLike) -> None:
     A folder another process removed or moved first is not an error.
     """
     target = Path(target)
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    try:
-        os.rename(target, aside / "x")
-    except OSError:
-        pass
-    shutil.rmtree(aside, ignore_errors=True)
+    with _fresh(target.parent, target.name, "gone") as aside:
+        try:
+            os.rename(target, aside / "x")
+        except OSError:
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_file(path: str | os.PathLike, data: str | bytes) -> Path:

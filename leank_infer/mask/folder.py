@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..folders.atomic import FolderError, refusal, update_folder, write_folder
+from ..folders.atomic import FolderError, recover_folder, refusal, update_folder, write_folder
 from .format import (
     ALLOW_PATTERNS,
     CONFIG_FILE,
@@ -180,6 +180,9 @@ def read_mask_files(folder: Path) -> tuple[bytes, bytes]:
         except FileNotFoundError:
             if attempt < 3:  # a writer without an atomic exchange moves the old folder aside for a moment
                 time.sleep(0.01)
+                continue
+            if attempt == 3:  # or died between its two renames: the folder is put back from where it was moved
+                recover_folder(folder)
                 continue
             raise MaskError(f"mask folder {folder} does not exist") from None
         except NotADirectoryError:
