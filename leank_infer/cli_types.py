@@ -7,6 +7,9 @@ them with the functions below (imported lazily: importing this module pulls no p
 from __future__ import annotations
 
 import argparse
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,48 @@ def check_config_files(path: str | Path, what: str = "recipe") -> None:
                 else:
                     check_config_files(target, what)
         current = nxt
+
+
+def output_file(path: Path | str, flag: str, suffix: str | None = None, carded: Sequence[str | Path] = ()) -> Path:
+    """``path`` checked as a place a command may write its output to, before the command runs (not after an
+    hour of evaluation): its folder exists and is writable, it is not a folder, has ``suffix``, and it is not
+    inside a mask folder (a mask folder changes only as a whole, through the folder swap: ``--json M/config.json``
+    would overwrite the mask's own config), unless that folder is one of ``carded``, whose card update (the
+    swap) takes the file in: the caller writes it elsewhere first (:func:`staged`). Raises UsageError naming ``flag``."""
+    import os
+
+    from .mask.folder import holds_mask_config
+
+    path = Path(path).expanduser()
+    folder = path.parent
+    if suffix and path.suffix.lower() != suffix:
+        raise UsageError(f"{flag}: {str(path)!r} must end in {suffix}")
+    if path.is_dir():
+        raise UsageError(f"{flag}: {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise UsageError(f"{flag}: cannot write {path}: there is no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag}: cannot write {path}: permission denied")
+    if holds_mask_config(folder) and not any(Path(c).resolve() == folder.resolve() for c in carded):
+        raise UsageError(
+            f"{flag}: {path} is inside the mask folder {folder}, which leank changes only as a whole; write it "
+            "elsewhere (--card copies a plot into the mask's card)"
+        )
+    return path
+
+
+@contextmanager
+def staged(path: Path | None) -> Iterator[Path | None]:
+    """Where to draw the output ``path``: itself, or, when it is inside a mask folder (allowed only for a
+    folder whose card takes it, see :func:`output_file`), a file of the same name in a temporary folder that the
+    card update copies in through the folder swap."""
+    from .mask.folder import holds_mask_config
+
+    if path is None or not holds_mask_config(path.parent):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="leank-staged-") as tmp:
+        yield Path(tmp) / path.name
 
 
 def _checked(parse):

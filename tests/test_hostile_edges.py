@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+# Lightning adds a handler on the sys.stderr of its first import: import it now, not inside a test's capsys
+import lightning  # noqa: F401
 import pytest
 import torch
 from test_hostile import cli, tree
@@ -523,3 +525,60 @@ def test_the_committed_recipes_pass_the_recipe_checks():
 
     recipes = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
     assert recipes and {p.name: recipe_problems(load_recipe(p)) for p in recipes} == {p.name: [] for p in recipes}
+
+
+# ---- M9 and the low output cases: outputs are checked before the run and never land inside a mask folder -----------
+EVAL = ["--lengths", "40", "--samples", "1", "--kinds", "passkey", "--methods", "full", "leank", "--seed", "0",
+        "--no-kl"]
+
+
+@pytest.mark.parametrize(
+    "flag, where, message",
+    [
+        ("--json", "MASK/config.json", "is inside the mask folder"),
+        ("--json", "MASK/notes.json", "is inside the mask folder"),
+        ("--plot", "MASK/acc.png", "is inside the mask folder"),  # without --card nothing takes it in
+        ("--json", "TMP/no/such/folder/r.json", "there is no folder"),
+        ("--plot", "TMP/no/such/folder/a.png", "there is no folder"),
+        ("--plot", "TMP/acc.pdf", "must end in .png"),
+        ("--json", "TMP", "is a folder; give a file name"),
+    ],
+)
+def test_eval_outputs_are_checked_before_the_run(tmp_path, capsys, monkeypatch, flag, where, message):
+    from test_model import tiny_repo
+
+    import leank_train.evaluate as ev
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    before = tree(mask_dir)
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: pytest.fail("the run started"))
+    path = where.replace("MASK", str(mask_dir)).replace("TMP", str(tmp_path))
+    code, err = cli(["eval", str(mask_dir), *EVAL, flag, path], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert tree(mask_dir) == before and ChannelMask.from_dir(mask_dir) is not None
+
+
+def test_bench_plot_is_checked_before_the_run(tmp_path, capsys, monkeypatch):
+    from test_model import tiny_repo
+
+    import leank_infer.bench as bench
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    monkeypatch.setattr(bench, "load_mask_base_model", lambda *a, **k: pytest.fail("the run started"))
+    for path, message in [(tmp_path / "no" / "x.png", "there is no folder"), (mask_dir / "t.png", "inside the mask")]:
+        code, err = cli(["bench", str(mask_dir), "--contexts", "8", "--batches", "1", "--plot", str(path)], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_plot_into_the_mask_folder_goes_in_through_the_card_swap(tmp_path, capsys):
+    """`--plot MASK/acc.png --card` (the README's command) still works: the plot is drawn elsewhere and the card
+    update's swap brings it in; nothing is written into the live folder."""
+    from test_model import tiny_repo
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    inode = mask_dir.stat().st_ino
+    code, err = cli(["eval", str(mask_dir), *EVAL, "--plot", str(mask_dir / "acc.png"), "--card"], capsys)
+    assert code == 0, err
+    assert (mask_dir / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mask_dir.stat().st_ino != inode
+    assert "![acc.png](acc.png)" in (mask_dir / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "mask"]

@@ -70,6 +70,23 @@ def mask_repo_problem(folder: Path) -> str | None:
     return None
 
 
+def holds_mask_config(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``config.json`` that parses as a leank mask config: a mask folder (whole or
+    damaged, replaceable or not), into which nothing is written but through the folder swap."""
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        path = folder / CONFIG_FILE
+        check_config_header(parse_config(_read_limited(dir_fd, folder, CONFIG_FILE, MAX_CONFIG_BYTES), path), path)
+        return True
+    except (MaskError, _Vanished):
+        return False
+    finally:
+        os.close(dir_fd)
+
+
 def is_mask_repo(folder: Path) -> bool:
     """Whether ``folder`` is a mask repo leank may replace (see :func:`mask_repo_problem`)."""
     return mask_repo_problem(folder) is None
