@@ -254,6 +254,30 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     assert "licence" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
+def test_base_model_given_on_the_command_line_wins_over_a_known_release(tmp_path, monkeypatch, capsys):
+    """Issue #31 item 7: a file leank knows (by sha256) defaults its base model, and --base-model overrides it."""
+    from leank_infer.reference_import import sha256_of
+
+    src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
+    monkeypatch.setitem(KNOWN_RELEASES, sha256_of(src), {"base_model": "org/known", "path": "configs/m.pth"})
+    assert cli(["import", str(src), str(tmp_path / "a")]) == 0
+    assert ChannelMask.from_dir(tmp_path / "a").base_model == "org/known"
+    assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/fine-tune"]) == 0
+    mask = ChannelMask.from_dir(tmp_path / "b")
+    assert mask.base_model == "org/fine-tune" and mask.extra["provenance"]["path"] == "configs/m.pth"
+
+
+def test_import_aligns_to_the_head_dim_too(tmp_path):
+    """Item 8: every head keeping 48 of 64 channels is a valid mask: align gcd(64, 48) = 16, not 48 (which
+    does not divide head_dim and would refuse it)."""
+    keep = torch.zeros(2, 2, 64)
+    keep[..., :48] = 1
+    src = _save_reference(tmp_path / "m.pth", keep)
+    mask = import_reference_mask(src, tmp_path / "out", base_model="org/model")
+    assert mask.align == 16 and ChannelMask.from_dir(tmp_path / "out").align == 16
+    assert mask.ratio == pytest.approx(0.25)
+
+
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     import leank_infer.hub.card as card
 
