@@ -342,6 +342,20 @@ def test_capacity_rows_follow_the_formula():
         capacity_rows(mask, 0, weights)
 
 
+def test_weights_are_counted_at_the_dtypes_size():
+    """Issue #31 item 9: fp32 weights take 4 bytes a parameter (at 2 they would halve and overstate the batch)."""
+    from leank_infer.mask.capacity import weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    sizes = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+    assert {d: weights_bytes_of(mask, None, d) for d in sizes} == {d: n * b for d, b in sizes.items()}
+    assert weights_bytes_of(mask, 70.0, torch.float32) == 70 * GiB  # given: taken as is
+    rows = capacity_rows(mask, 80, weights_bytes_of(mask, None, torch.float32), torch.float32)
+    free = 80 * GiB - 4 * n
+    assert rows[0]["dense_batch"] == int(free // (4096 * 2 * 131072))  # fp32 K/V: twice bf16's bytes per token
+
+
 def test_bench_capacity_flag(capsys, tmp_path):
     assert cli(["bench", str(HUB["qwen2"]), "--capacity", "80,141"]) == 0
     out = capsys.readouterr().out
