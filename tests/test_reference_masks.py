@@ -356,6 +356,47 @@ def test_weights_are_counted_at_the_dtypes_size():
     assert rows[0]["dense_batch"] == int(free // (4096 * 2 * 131072))  # fp32 K/V: twice bf16's bytes per token
 
 
+def test_capacity_table_and_main_print_the_numbers_worked_out_by_hand(capsys):
+    """The table's text against numbers worked out once (the fp32 Llama case of issue #31: 50/74 at 4k on 80 GiB),
+    a GPU where nothing fits (0, no gain), and what --capacity prints above the table."""
+    from leank_infer.mask.capacity import base_parameters, capacity_main, weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    head = ["| context | dense KV GiB / seq | LeanK KV GiB / seq | dense max batch | LeanK max batch | batch gain |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    assert capacity_table(mask, 80, 4 * n, torch.float32).splitlines() == head + [
+        "| 4,096 | 1.000 | 0.673 | 50 | 74 | 1.48x |",
+        "| 32,768 | 8.000 | 4.625 | 6 | 10 | 1.67x |",
+        "| 131,072 | 32.000 | 18.171 | 1 | 2 | 2.00x |",
+    ]
+    assert capacity_table(mask, 16, 2 * n).splitlines()[2:] == [
+        "| 4,096 | 0.500 | 0.337 | 2 | 3 | 1.50x |",
+        "| 32,768 | 4.000 | 2.312 | 0 | 0 | - |",
+        "| 131,072 | 16.000 | 9.086 | 0 | 0 | - |",
+    ]
+    assert capacity_rows(mask, 0.5, 0)[0]["dense_batch"] == 1  # half a GiB is a GPU size too
+    assert capacity_main(str(HUB["llama"]), [80, 16], None, torch.float32, "leank bench x --capacity 80,16") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("command: leank bench x --capacity 80,16\n")
+    assert (f"mask: {HUB['llama']} (base model meta-llama/Llama-3.1-8B-Instruct), float32 K/V; weights 29.92 GiB"
+            in out)
+    assert "\nGPU memory 80 GiB:\n\n" + capacity_table(mask, 80, 4 * n, torch.float32) in out
+    assert "\nGPU memory 16 GiB:\n\n" + capacity_table(mask, 16, 4 * n, torch.float32) in out
+    assert weights_bytes_of(mask, 0.0, torch.float32) == 0  # weights given as 0 GiB: all memory is KV
+    with pytest.raises(ValueError, match="--weights-gib must be >= 0, got -1"):
+        weights_bytes_of(mask, -1.0, torch.float32)
+    assert capacity_table(mask, 80, 4 * n, torch.float32, contexts=(1000,)).splitlines()[2:] == [
+        "| 1,000 | 0.244 | 0.244 | 205 | 205 | 1.00x |"]  # the contexts asked for (all inside sink + recent)
+    mask.extra["base_model_parameters"] = 1
+    assert weights_bytes_of(mask, None, torch.float32) == 4
+    mask.extra["base_model_parameters"] = 0  # recorded, but no size: as if not recorded
+    assert base_parameters(mask) is None
+    with pytest.raises(ValueError) as e:
+        weights_bytes_of(mask, None, torch.float32)
+    assert str(e.value).startswith("the mask does not record") and str(e.value).endswith("(GiB of weights)")
+
+
 def test_bench_capacity_flag(capsys, tmp_path):
     assert cli(["bench", str(HUB["qwen2"]), "--capacity", "80,141"]) == 0
     out = capsys.readouterr().out
