@@ -30,7 +30,7 @@ from test_families import reference_steps
 
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.cli import main as cli
-from leank_infer.mask import dense_layers_of, model_shape
+from leank_infer.mask import MaskError, dense_layers_of, model_shape
 from leank_infer.mask.capacity import GiB, capacity_rows, capacity_table, sequence_kv_bytes
 from leank_infer.reference_import import KNOWN_RELEASES, REFERENCE_SIZES, import_reference_mask
 
@@ -265,6 +265,36 @@ def test_base_model_given_on_the_command_line_wins_over_a_known_release(tmp_path
     assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/fine-tune"]) == 0
     mask = ChannelMask.from_dir(tmp_path / "b")
     assert mask.base_model == "org/fine-tune" and mask.extra["provenance"]["path"] == "configs/m.pth"
+
+
+def test_import_records_its_provenance_licence_and_card(tmp_path, monkeypatch):
+    """What `leank import` writes, field by field (the committed folders check it too, but only in slow tests):
+    the provenance of a known release, its base-model size, the licence file given, the card's repo."""
+    from leank_infer.reference_import import REFERENCE_COMMIT, REFERENCE_REPORTED, sha256_of
+
+    src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
+    digest = sha256_of(src)
+    monkeypatch.setitem(KNOWN_RELEASES, digest, {"base_model": "org/known", "path": "configs/m.pth",
+                                                 "base_model_parameters": 1234, "reported": ["r1"], "notes": ["n1"]})
+    (tmp_path / "MY-LICENSE").write_text("MIT License\n\nmine\n")
+    mask = import_reference_mask(src, tmp_path / "out", license_file=tmp_path / "MY-LICENSE")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["extra"] == {"provenance": {
+        "source": "https://github.com/microsoft/MInference", "commit": REFERENCE_COMMIT, "path": "configs/m.pth",
+        "sha256": digest, "license": "MIT", "copyright": "Copyright (c) Microsoft Corporation",
+        "license_file": "LICENSE", "trained_by": "the LeanK authors (reference implementation)",
+        "trained_by_leank": False, "converted_by": "leank import", "reported": [*REFERENCE_REPORTED, "r1"],
+        "notes": ["n1"]}, "base_model_parameters": 1234}
+    assert mask.extra == cfg["extra"] and (tmp_path / "out" / "LICENSE").read_text() == "MIT License\n\nmine\n"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f'LeanKModel.from_pretrained("{tmp_path / "out"}")' in card and "Note: n1" in card
+    with pytest.raises(MaskError, match="already exists"):  # replacing needs force=True
+        import_reference_mask(src, tmp_path / "out")
+    import_reference_mask(src, tmp_path / "out", repo="org/published", force=True)
+    assert 'LeanKModel.from_pretrained("org/published")' in (tmp_path / "out" / "README.md").read_text()
+    monkeypatch.delitem(KNOWN_RELEASES, digest)
+    with pytest.raises(MaskError, match=rf"\(sha256 {digest[:12]}\.\.\.\): name its base model"):
+        import_reference_mask(src, tmp_path / "other")
 
 
 def test_import_aligns_to_the_head_dim_too(tmp_path):
