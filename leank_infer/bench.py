@@ -108,6 +108,38 @@ def filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
                                  [v.expand(batch, -1, -1, -1).contiguous() for _, v in kv])
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a run on ``device`` may still take: the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(mask: ChannelMask, contexts: list[int], batches: list[int], new_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Refuse a configuration whose dense K/V cache alone exceeds the free memory (``--batches 100000``), before
+    anything is allocated: one line, not an allocator error after the first runs."""
+    free = free_bytes(device)
+    per_token = mask.kv_bytes_per_token(dtype)["dense"]
+    worst = max(contexts) + new_tokens
+    need = max(batches) * worst * per_token
+    if free is not None and need > free:
+        raise UsageError(
+            f"--batches {max(batches):,} x --contexts {max(contexts):,} (+{new_tokens} new tokens) needs "
+            f"{need / 2**30:,.1f} GiB of dense K/V cache, more than the {free / 2**30:,.1f} GiB free on {device}"
+        )
+
+
 def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wall") -> dict[str, float]:
     clock = _StepClock(clock_name)
     t0 = clock.now()
@@ -133,7 +165,7 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wa
 def bench(
     mask: str | None = None,
     *,
-    contexts: PositiveIntList = [2048, 4096, 8192],  # noqa: B006 (read only; shown in --help)
+    contexts: PositiveIntList = [2048, 4096, 8160],  # noqa: B006 (read only; shown in --help; 8160 + 32 new = 8192)
     batches: PositiveIntList = [1, 4],  # noqa: B006
     new_tokens: PositiveInt = 32,
     dtype: Literal["float32", "bfloat16", "float16"] | None = None,
@@ -191,6 +223,8 @@ def bench(
         torch_device = torch.device(device)
     except RuntimeError:
         raise UsageError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if torch_device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: leank bench measures on cpu or cuda, not {device!r}")
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: CUDA is not available on this machine")
     device = torch_device
@@ -211,7 +245,9 @@ def bench(
         model, _ = load_base_model("embedded", dtype=dtype)
         scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
         mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
+        check_memory(mask, contexts, batches, new_tokens, dtype, device)
     else:
+        check_memory(mask, contexts, batches, new_tokens, dtype, device)  # before the model loads
         model, _ = load_mask_base_model(mask, dtype=dtype)
     limit = model_positions(model.config)
     if limit is not None and max(contexts) + new_tokens > limit:

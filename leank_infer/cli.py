@@ -224,10 +224,12 @@ def check_config_args(argv: Sequence[str]) -> None:
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input (printed as one line), not a bug (which keeps its traceback)."""
+    from .decode.backend import BackendError
+    from .folders.cache_root import CacheRootError
     from .mask import MaskError
     from .model.loading import BaseModelError
 
-    errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError]
+    errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError, BackendError, CacheRootError]
     if "leank_train" in sys.modules:  # a training command ran (or tried to)
         try:
             from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -246,7 +248,10 @@ def error_line(prog: str, e: BaseException) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (f"{prog}: error: a checkpoint holds more than tensors and plain data and was not loaded "
                 f"(torch refuses to unpickle it: {first}); delete it to start the stage afresh")
-    return f"{prog}: error: {' '.join(str(e).split())}"
+    text = " ".join(str(e).split())
+    # a message may quote a stranger's text (a mask's base_model, a file name): never send escapes to the terminal
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return f"{prog}: error: {text}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -86,6 +86,12 @@ def eval_command(
 def _eval(args: SimpleNamespace, cmd: str) -> int:
     if args.json:  # checked before the run: a bad path fails now, not after it; never inside a mask folder
         args.json = output_file(args.json, "--json")
+    if args.card:  # a damaged eval.json would fail the card update after the whole run: now, not then
+        from leank_infer.hub.card import read_eval_record
+
+        for path in args.mask:
+            if Path(path).is_dir():
+                read_eval_record(path)
     if args.plot:  # inside a mask folder only when --card takes it in (drawn elsewhere, copied by the swap)
         args.plot = output_file(args.plot, "--plot", ".png", carded=args.mask if args.card else ())
     with staged(args.plot) as draw_to:
@@ -134,13 +140,13 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
             figures = {args.plot.name: cmd} if args.plot else None
             write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[draw_to] if args.plot else ())
     if args.card and len(args.mask) > 1:
-        from leank_infer.hub.card import EVAL_FILE
+        from leank_infer.hub.card import read_eval_record
 
         for path, row in zip(args.mask, res["masks"], strict=True):
             figures = {args.plot.name: cmd} if args.plot else {}
             # a card keeps the rows it has (e.g. a single-mask eval with baselines); one without gets the sweep's
             rows = None
-            if not (Path(path) / EVAL_FILE).is_file() or "results" not in json.loads((Path(path) / EVAL_FILE).read_text()):
+            if "results" not in read_eval_record(path):
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
                 if "tasks" in row:
                     rows = card_results({**row, "methods": ["full", "leank"]}, cmd)

@@ -18,6 +18,7 @@ from test_hostile import cli, tree
 from test_model import random_mask
 
 from leank_infer import ChannelMask
+from leank_infer.cli import main as leank_main
 from leank_infer.mask import CONFIG_FILE, MASK_FILE, MaskError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -582,3 +583,195 @@ def test_a_plot_into_the_mask_folder_goes_in_through_the_card_swap(tmp_path, cap
     assert (mask_dir / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mask_dir.stat().st_ino != inode
     assert "![acc.png](acc.png)" in (mask_dir / "README.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "mask"]
+
+
+# ---- the low cases: one row each, one clear line (exit 2, no traceback) or the right behaviour ----------------------
+def _mask_with(tmp_path: Path, **changes) -> Path:
+    from test_hostile import write_config
+    from test_model import tiny_repo
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    return write_config(mask_dir, **{"base_model": str(tmp_path / "base"), **changes}) if changes else mask_dir
+
+
+def _proc_self_mem(tmp_path, monkeypatch, capsys):
+    mask_dir = _mask_with(tmp_path)
+    (mask_dir / MASK_FILE).unlink()
+    (mask_dir / MASK_FILE).symlink_to("/proc/self/mem")  # a stranger's folder can hold this link
+    return cli(["generate", str(mask_dir), "--prompt", "w5"], capsys), "mask.safetensors cannot be read"
+
+
+def _glob_gguf(tmp_path, monkeypatch, capsys):
+    mask_dir = _mask_with(tmp_path, loader={"gguf_file": "*.gguf"})
+    return cli(["generate", str(mask_dir), "--prompt", "w5"], capsys), "must name one file (no glob characters"
+
+
+def _bench_huge_batch(tmp_path, monkeypatch, capsys):
+    mask_dir = _mask_with(tmp_path)
+    monkeypatch.setattr("leank_infer.bench.free_bytes", lambda device: 1 << 30)  # the same on every machine
+    args = ["bench", str(mask_dir), "--contexts", "64", "--batches", "1,100000", "--new-tokens", "4"]
+    # 512 bytes a token (2 layers x 2 KV heads x 16 channels, K and V, fp32) x 68 tokens x 100,000 sequences
+    return cli(args, capsys), "--batches 100,000 x --contexts 64 (+4 new tokens) needs 3.2 GiB of dense K/V cache, " \
+        "more than the 1.0 GiB free on cpu"
+
+
+def _bench_huge_batch_real(tmp_path, monkeypatch, capsys):
+    mask_dir = _mask_with(tmp_path)  # 16 KiB a token: 10^7 sequences of 4k tokens exceed any machine's memory
+    args = ["bench", str(mask_dir), "--contexts", "4000", "--batches", "10000000", "--new-tokens", "4"]
+    return cli(args, capsys), "of dense K/V cache, more than the"
+
+
+def _bench_meta(tmp_path, monkeypatch, capsys):
+    return cli(["bench", str(_mask_with(tmp_path)), "--device", "meta"], capsys), "--device: leank bench measures on cpu"
+
+
+def _damaged_last_ckpt(tmp_path, monkeypatch, capsys):
+    import yaml
+    from test_faults import base_model, recipe
+    from test_hostile import _dump
+
+    from leank_train.cli import run_cli
+    from leank_train.pipeline import stage_fingerprint
+
+    base = base_model(tmp_path / "base")
+    path = recipe(tmp_path / "r", base)
+    probe = run_cli(["--config", _dump(path, 1)], run=False)
+    cfg = yaml.safe_load(probe.parser.dump(probe.config, skip_none=False))
+    last = tmp_path / "r" / "runs" / "checkpoints" / "stage1" / stage_fingerprint(cfg) / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"state_dict": {"alpha": torch.ones(3)}}, last)
+    last.write_bytes(last.read_bytes()[:-40])  # killed while writing: cut short
+    capsys.readouterr()
+    code = leank_main(["run", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1] + "\n"  # after Lightning's INFO lines
+    return (code, err), "is damaged (not a whole zip archive"
+
+
+def _memory_three_kv_heads(tmp_path, monkeypatch, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=3, head_dim=16, vocab_size=128).save_pretrained(tmp_path / "m")
+    code, err = cli(["memory", str(tmp_path / "m")], capsys)  # the default --sp 1 2 8
+    assert code == 0
+    return cli(["memory", str(tmp_path / "m"), "--sp", "2", "8"], capsys), "--sp: none of 2, 8 divides the model's 3 KV"
+
+
+def _bad_backend(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LEANK_BACKEND", "nope")
+    return cli(["generate", str(_mask_with(tmp_path)), "--prompt", "w5"], capsys), "LEANK_BACKEND must be one of"
+
+
+def _bad_eval_json(tmp_path, monkeypatch, capsys):
+    import leank_train.evaluate as ev
+
+    mask_dir = _mask_with(tmp_path)
+    (mask_dir / "eval.json").write_text('{"results": [1, 2')
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: pytest.fail("the run started"))
+    return cli(["eval", str(mask_dir), *EVAL, "--card"], capsys), "eval.json is not valid JSON"
+
+
+def _disk_full(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+
+    folder = random_mask(seed=1).save_pretrained(tmp_path / "m")
+    before = tree(folder)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(MaskError) as e:
+        random_mask(seed=2).save_pretrained(folder)
+    assert tree(folder) == before and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    return (2, f"leank: error: {e.value}\n"), "cannot write " + str(folder) + ": No space left on device (nothing was"
+
+
+def _revision_of_a_folder(tmp_path, monkeypatch, capsys):
+    args = ["generate", str(_mask_with(tmp_path)), "--prompt", "w5", "--revision", "v1"]
+    return cli(args, capsys), "is a local folder, which has no revisions"
+
+
+def _escape_sequences(tmp_path, monkeypatch, capsys):
+    mask_dir = _mask_with(tmp_path, base_model="\x1b[2J\x1b[31mowned")
+    (code, err) = cli(["generate", str(mask_dir), "--prompt", "w5"], capsys)
+    assert "\x1b" not in err
+    return (code, err), "base_model '\\x1b[2J\\x1b[31mowned' is neither a folder path"
+
+
+LOW_CASES = {
+    "proc-self-mem-as-mask-file": _proc_self_mem,
+    "glob-as-gguf_file": _glob_gguf,
+    "bench---batches-100000": _bench_huge_batch,
+    "bench---batches-beyond-this-machine": _bench_huge_batch_real,
+    "bench---device-meta": _bench_meta,
+    "damaged-last.ckpt": _damaged_last_ckpt,
+    "memory-3-kv-heads": _memory_three_kv_heads,
+    "LEANK_BACKEND=nope": _bad_backend,
+    "malformed-eval.json-with---card": _bad_eval_json,
+    "disk-full-during-export": _disk_full,
+    "--revision-of-a-local-folder": _revision_of_a_folder,
+    "terminal-escapes-in-base_model": _escape_sequences,
+}
+
+
+@pytest.mark.parametrize("case", list(LOW_CASES))
+def test_low_cases_are_one_line(tmp_path, monkeypatch, capsys, case):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (code, err), message = LOW_CASES[case](tmp_path, monkeypatch, capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_sizes_of_2_31_minus_1_decode_as_dense_without_allocating_them():
+    """A mask may say "never prune" with sink/recent of 2^31-1: the cache preallocates at most the model's positions."""
+    from conftest import tiny_model
+
+    from leank_infer import LeanKModel
+
+    model = tiny_model("llama")
+    big = 2**31 - 1
+    mask = ChannelMask.from_scores(torch.rand(2, 2, 16), 0.5, 4, sink_size=big, recent_size=big, accumu_size=big)
+    lk = LeanKModel(model, mask)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    cache = lk.new_cache()
+    out = lk.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=cache)
+    with lk.dense():
+        assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+    assert cache.allocated_bytes() < 3 * 4096 * 2 * 2 * 16 * 4 * 2  # K+V of the model's 4096 positions, 3x slack
+
+
+def test_the_default_bench_fits_the_embedded_model():
+    """The default contexts plus the default new tokens fit SmolLM2's 8,192 positions (8,192 + 32 did not)."""
+    import inspect
+
+    from leank_infer.bench import bench
+
+    params = inspect.signature(bench).parameters
+    assert max(params["contexts"].default) + params["new_tokens"].default <= 8192
+
+
+def test_a_tilde_in_the_recipes_paths_is_the_home_folder(tmp_path, monkeypatch):
+    from leank_train.pipeline import load_recipe
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m.yaml"
+    r = load_recipe(path, ["--out_dir", "~/runs/x", "--mask_dir", "~/masks/m"])
+    assert (r.out_dir, r.mask_dir) == (str(tmp_path / "home" / "runs" / "x"), str(tmp_path / "home" / "masks" / "m"))
+    assert r.scores_dir == str(tmp_path / "home" / "runs" / "x" / "stage1-mask")
+
+
+def test_a_recipe_cannot_add_markdown_to_the_card_outside_its_code_block(tmp_path):
+    from leank_infer.hub.card import write_model_card
+
+    mask = random_mask()
+    mask.recipe = "out_dir: x\n```\n![tracker](https://evil.example/p.png)\n<script>x</script>\n````\n"
+    folder = mask.save_pretrained(tmp_path / "m")
+    write_model_card(folder)
+    card = (folder / "README.md").read_text()
+    block = card.split("## Recipe", 1)[1]
+    fence = block.split("\n")[4][:5]
+    assert fence == "`````" and block.count("\n" + fence) == 2  # opened and closed by a fence longer than any run
+    inside = block.split(fence + "yaml\n", 1)[1].split("\n" + fence, 1)[0]
+    assert "![tracker]" in inside and "<script>" in inside

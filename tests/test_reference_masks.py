@@ -231,6 +231,7 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     mask = ChannelMask.from_dir(tmp_path / "a")
     assert mask.align == 16 and mask.ratio == pytest.approx(1 - (3 * 16 + 48) / (3 * 2 * 64))
     assert mask.base_model == "org/model" and mask.extra["provenance"]["trained_by_leank"] is False
+    assert mask.extra["provenance"]["notes"] == []  # an unknown release: no notes (not null)
     assert "base_model_parameters" not in mask.extra
     card = (tmp_path / "a" / "README.md").read_text()
     assert "Capacity" not in card and "Not trained by leank" in card
@@ -251,7 +252,7 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     # the MIT notice must travel: no licence, no import
     (tmp_path / "LICENSE").unlink()
     assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/model"]) == 2
-    assert "licence" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert "must travel with them (pass --license-file)" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
 def test_base_model_given_on_the_command_line_wins_over_a_known_release(tmp_path, monkeypatch, capsys):

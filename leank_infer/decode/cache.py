@@ -41,7 +41,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..mask import ChannelMask, dense_layers_of
+from ..mask import ChannelMask, dense_layers_of, model_positions
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
@@ -302,7 +302,7 @@ class LeanKLayer(CacheLayerMixin):
         self.recent_start = prefill_recent_from(t, self.recent_size)
         self.deferred = t < self.dense_until
         m = h if self.deferred else max(h, self.recent_start)  # deferred: everything after the head stays full
-        cap = max(h + (t - m), self.head_target + self.recent_size) + self.accumu_size + 1
+        cap = max(h + (t - m), self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
         self._full_k = k.new_empty(b, hkv, cap, d)
         self._full_v = v.new_empty(b, hkv, cap, v.shape[-1])
         self._full_k[:, :, :h] = k[:, :, :h]
@@ -328,7 +328,7 @@ class LeanKLayer(CacheLayerMixin):
         cap = self._mid_v.shape[2]
         if end > cap:
             # the first write (an empty middle: a short prompt, or dense_until's switch) takes what it holds
-            cap = mid_capacity(max(end, cap + max(MID_CHUNK, self.accumu_size)) if cap else end)
+            cap = mid_capacity(max(end, cap + self._bounded(max(MID_CHUNK, self.accumu_size))) if cap else end)
             self._mid_k = [_grow(t, self.mid_len, cap) for t in self._mid_k]
             self._mid_v = _grow(self._mid_v, self.mid_len, cap)
         b = k.shape[0]
@@ -358,11 +358,17 @@ class LeanKLayer(CacheLayerMixin):
         self.deferred = False
         self._roll()
         full = self.head_len + self.tail_len
-        cap = max(full, self.head_target + self.recent_size) + self.accumu_size + 1
+        cap = max(full, self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
         if cap < self._full_k.shape[2]:
             self._full_k = self._full_k[:, :, :cap].clone()
             self._full_v = self._full_v[:, :, :cap].clone()
         self._shared.clear()
+
+    def _bounded(self, tokens: int) -> int:
+        """``tokens`` of preallocation, at most the model's positions (a mask's sizes may say 2^31-1: "never
+        prune"; no sequence holds more tokens than the model has positions)."""
+        limit = model_positions(self._config) if self._config is not None else None
+        return tokens if limit is None else min(tokens, limit)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         q_len = k.shape[2]
@@ -371,7 +377,7 @@ class LeanKLayer(CacheLayerMixin):
             take = min(q_len, max(0, self.head_target - self.head_len))
         pos = self.head_len + self.tail_len
         if pos + q_len > self._full_k.shape[2]:  # several tokens at once, or a dense_until layer growing
-            cap = pos + q_len + (max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
+            cap = pos + q_len + self._bounded(max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
             self._full_k = _grow(self._full_k, pos, cap)
             self._full_v = _grow(self._full_v, pos, cap)
         self._full_k.narrow(2, pos, q_len).copy_(k)

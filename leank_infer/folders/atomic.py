@@ -71,6 +71,8 @@ def _locked(folder: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
+# a full disk, a quota, a read-only file system, no permission: the target's trouble, said in one line
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 _SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>new|old|gone)-[A-Za-z0-9_]{8}")
 
 
@@ -249,8 +251,13 @@ def write_folder(
         raise FolderError(f"cannot make the folder {parent} to hold {target.name}: {e.strerror}") from None
     with _fresh(parent, target.name, "new") as tmp:
         try:
-            fill(tmp)
-            _ordinary_permissions(tmp)
+            try:
+                fill(tmp)
+                _ordinary_permissions(tmp)
+            except OSError as e:
+                if e.errno not in _WRITE_ERRORS:
+                    raise
+                raise FolderError(f"cannot write {target}: {e.strerror} (nothing was changed)") from None
             with _locked(parent):
                 why = refusal(target, problem, kind)  # again: it may have changed while we wrote
                 if why:

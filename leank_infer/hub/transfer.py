@@ -67,6 +67,9 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     local = Path(path_or_repo)
     try:
         if local.is_dir():
+            if revision is not None:
+                raise MaskError(f"{repo_id[:200]!r} is a local folder, which has no revisions; revision "
+                                f"{revision!r} names a branch, tag or commit of a Hub repo (drop it, or give a repo id)")
             return local
         exists = local.exists()
         why = "it is not a folder" if exists else "no such folder"

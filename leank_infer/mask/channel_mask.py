@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..folders.names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
+from ..folders.names import MAX_LOCAL_PATH, control_characters, inner_file_problem, revision_problem
 from .binarize import binarize, check_ratio_align
 from .folder import check_config_header, parse_config, read_mask_files, read_safetensors, write_mask_folder
 from .format import (
@@ -85,9 +85,10 @@ class ChannelMask:
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
         for name in ("base_model", "adapter"):  # a local path or a Hub id: either fits the file system's limits
             value = getattr(self, name)
-            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255):
+            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255
+                                      or control_characters(value)):
                 raise MaskError(f"{name} {value[:80]!r}{'...' if len(value) > 80 else ''} is neither a folder path "
-                                "nor a Hub repo id (empty, or a name too long for any file system)")
+                                "nor a Hub repo id (empty, too long for any file system, or with control characters)")
         for name in ("base_revision", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and revision_problem(value):

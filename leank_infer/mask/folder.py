@@ -149,11 +149,14 @@ def _read_limited(dir_fd: int, folder: Path, name: str, limit: int, follow: bool
         if info.st_size > limit:
             raise MaskError(f"{path} is {info.st_size:,} bytes; a mask's {name} may hold at most {limit:,}")
         chunks, size = [], 0
-        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise MaskError(f"{path} holds more than {limit:,} bytes, the most a mask's {name} may hold")
+        try:
+            while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise MaskError(f"{path} holds more than {limit:,} bytes, the most a mask's {name} may hold")
+        except OSError as e:  # /proc/self/mem, a file on a failing disk: not a mask file
+            raise MaskError(f"{path} cannot be read ({e.strerror}); a mask folder holds plain files only") from None
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..decode.backend import requested_backend
 from ..decode.cache import LeanKCache
 from ..mask import ChannelMask, MaskError
 from . import generation as _generation
@@ -62,6 +63,7 @@ class LeanKModel:
     """
 
     def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0):
+        requested_backend()  # LEANK_BACKEND=nope: refused now, not at the first decode step
         mask.validate(model.config)
         if isinstance(dense_until, bool) or not isinstance(dense_until, int) or dense_until < 0:
             raise ValueError(f"dense_until must be a number of tokens >= 0, got {dense_until!r}")
@@ -94,6 +96,7 @@ class LeanKModel:
         A fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which
         turns the name check into a warning.
         """
+        requested_backend()  # before anything loads
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
             model, loaded_tokenizer = load_mask_base_model(mask, **hf_kwargs)
