@@ -229,12 +229,12 @@ def import_reference_mask(
     }
     mask = reference_mask(keep, base_model, source, known.get("base_model_parameters"))
 
-    def write(folder: Path) -> None:
-        from .hub.card import write_model_card
+    def write(folder: Path) -> None:  # straight into the fresh folder (no nested folder swap inside it)
+        from .hub.card import write_card_files
 
-        mask.save_pretrained(folder)
+        mask.write_files(folder)
         shutil.copyfile(lic, folder / "LICENSE")
-        write_model_card(folder, repo=repo or str(out_dir))
+        write_card_files(folder, repo=repo or str(out_dir))
 
     write_mask_folder(out, write)
     return mask

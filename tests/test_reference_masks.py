@@ -317,14 +317,14 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(card, "write_model_card", boom)
+    monkeypatch.setattr(card, "write_card_files", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         import_reference_mask(src, tmp_path / "out", base_model="org/model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LICENSE", "m.pth"]
     # and a forced replacement that fails keeps the old folder
     monkeypatch.undo()
     import_reference_mask(src, tmp_path / "out", base_model="org/old")
-    monkeypatch.setattr(card, "write_model_card", boom)
+    monkeypatch.setattr(card, "write_card_files", boom)
     with pytest.raises(RuntimeError):
         import_reference_mask(src, tmp_path / "out", base_model="org/new", force=True)
     assert ChannelMask.from_dir(tmp_path / "out").base_model == "org/old"
