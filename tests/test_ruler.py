@@ -111,14 +111,18 @@ def test_the_expected_value_is_the_one_in_the_asked_keys_needle(tok):
     import random
 
     b = ruler.Builder(tok)
-    probes = build_probes(tok, ["niah_multikey", "niah_multiquery"], [1024], 20, seed=3)
-    probes += [ruler.NeedleMultiKey(distractors=3).make(b, 1024, random.Random(i), "docs", i) for i in range(10)]
-    for p in probes:
+    suite = build_probes(tok, ["niah_multikey", "niah_multiquery"], [1024], 20, seed=3)
+    cases = [(p, 2 if p.kind == "niah_multikey" else 4) for p in suite]  # needles: the asked ones and distractors
+    cases += [(ruler.NeedleMultiKey(distractors=3).make(b, 1024, random.Random(i), "docs", i), 4) for i in range(10)]
+    for p, needles in cases:
         text, question = p.messages[0]["content"], p.messages[0]["content"].rsplit("\n\n", 1)[1]
         asked = re.findall(r"of the ([a-z]+-[a-z]+)", question)
         values = [re.search(rf"The locker combination of the {k} is (\d+)\.", text).group(1) for k in asked]
         assert asked and p.expected == values, (p.kind, asked, p.expected, values)
-        assert text.count("The locker combination of the ") >= 2  # there were distractors to confuse it with
+        assert text.count("The locker combination of the ") == needles
+        if p.kind == "niah_multikey":  # the answer starts naming the asked key, not a distractor's
+            assert p.answer_prefix == f"The locker combination of the {asked[0]} is"
+            assert text.startswith(ruler._INTRO)
 
 
 def test_variable_tracking_chains_in_order(probes):

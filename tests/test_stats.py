@@ -155,3 +155,16 @@ def test_the_cards_headline_value_of_each_method_is_that_methods_score(tmp_path)
         {m: res["headline"][100][m]["se"] for m in methods})
     for m in methods:  # the card's table cell of the headline row says the same number
         assert f"{scores[m]:.3f} +/- " in card.text
+
+
+def test_a_task_without_probes_at_one_length_leaves_the_other_lengths_and_tasks_alone():
+    """A (task, length) cell with no probes is skipped, not the rest: later lengths and tasks still get cells, and
+    the headline says how many probes per task would bring its standard error to 0.03."""
+    rows = _rows("a", 4, {"full": 4, "leank": 3}, length=200) + _rows("b", 10, {"full": 9, "leank": 9}, length=100)
+    rows += _rows("b", 10, {"full": 8, "leank": 5}, length=200)
+    s = summarize(rows, ["full", "leank"], [100, 200], ["a", "b"])
+    assert set(s["tasks"]["a"]["full"]) == {200} and set(s["tasks"]["b"]["leank"]) == {100, 200}
+    assert s["tasks"]["b"]["leank"][200]["correct"] == 5
+    assert s["headline"][100]["tasks"] == ["b"] and s["headline"][200]["tasks"] == ["a", "b"]
+    assert s["headline"][200]["probes_for_se_0.03"] == probes_for_se([1.0, 0.8]) > 0
+    assert s["headline"][100]["probes_for_se_0.03"] == probes_for_se([0.9])
