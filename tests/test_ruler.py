@@ -120,9 +120,12 @@ def test_the_expected_value_is_the_one_in_the_asked_keys_needle(tok):
         values = [re.search(rf"The locker combination of the {k} is (\d+)\.", text).group(1) for k in asked]
         assert asked and p.expected == values, (p.kind, asked, p.expected, values)
         assert text.count("The locker combination of the ") == needles
-        if p.kind == "niah_multikey":  # the answer starts naming the asked key, not a distractor's
-            assert p.answer_prefix == f"The locker combination of the {asked[0]} is"
-            assert text.startswith(ruler._INTRO)
+        assert text.startswith(ruler._INTRO)
+        # the answer starts naming the asked key (not a distractor's); several keys: no key in the prefix
+        assert p.answer_prefix == (f"The locker combination of the {asked[0]} is" if p.kind == "niah_multikey"
+                                   else "The locker combinations are")
+    for kind in ("niah_multikey", "niah_multiquery"):  # probe i of a (task, length) is numbered i
+        assert [p.index for p in suite if p.kind == kind] == list(range(20))
 
 
 def test_variable_tracking_chains_in_order(probes):
