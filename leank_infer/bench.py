@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError
+from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError, output_file, staged
 from .decode.cache import dynamic_cache_bytes, fill_from_prefill
 from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
@@ -177,6 +177,8 @@ def bench(
     from .cli import invocation
 
     command = invocation("leank bench", bench, dict(locals()))
+    if plot:  # a bad path fails now, not after the whole run; inside a mask folder only when --card takes it in
+        plot = output_file(plot, "--plot", ".png", carded=[mask] if card and mask else ())
     if capacity:
         from .mask.capacity import capacity_main
 
@@ -274,12 +276,13 @@ def bench(
     if plot:
         from .hub.plots import plot_decode_time
 
-        plot_decode_time(rows, plot, command)
-        print(f"plot: {plot}")
-        if card and mask_path and Path(mask_path).is_dir():
-            from .hub.card import write_model_card
+        with staged(plot) as draw_to:  # drawn beside the card's folder, copied in by its swap
+            plot_decode_time(rows, draw_to, command)
+            if card and mask_path and Path(mask_path).is_dir():
+                from .hub.card import write_model_card
 
-            write_model_card(mask_path, figures={plot.name: command}, figure_files=[plot])
+                write_model_card(mask_path, figures={plot.name: command}, figure_files=[draw_to])
+        print(f"plot: {plot}")
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes "
         "held; alloc ratio = LeanK storage reserved (its preallocated spare slots included) / dense"

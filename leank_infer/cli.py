@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 import sys
 import typing
@@ -189,10 +190,13 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     hints = typing.get_type_hints(func)
     recipe = next((p for p in params.values() if dataclasses.is_dataclass(hints[p.name])), None)
     if recipe is not None and argv and not argv[0].startswith("-"):
-        from .cli_types import yaml_mapping_file
+        from .cli_types import check_config_files
 
-        yaml_mapping_file(argv[0])  # a missing, binary or non-mapping file: one clear error naming it
+        check_config_files(argv[0])  # a missing, binary, FIFO or non-mapping file: one clear error naming it
         argv = ["--config", argv[0], *argv[1:]]
+        check_config_args(argv[2:])
+    elif recipe is not None:
+        check_config_args(argv)
     parser = command_parser(func, prog)
     try:
         cfg = parser.parse_args(argv)
@@ -204,6 +208,18 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
         hint = hints[p.name]
         kwargs[p.name] = _build(hint, values) if dataclasses.is_dataclass(hint) else values[p.name]
     return kwargs
+
+
+def check_config_args(argv: Sequence[str]) -> None:
+    """Check every ``--config FILE`` of ``argv`` and the files it includes before jsonargparse opens them: a missing,
+    binary, FIFO, huge, alias-bomb or non-mapping file is one clear error naming it (and never quoting it)."""
+    from .cli_types import check_config_files
+
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--config=") else argv[i + 1] if (
+            arg == "--config" and i + 1 < len(argv)) else None
+        if value is not None and "\n" not in value and os.path.lexists(value):  # else inline YAML, or missing
+            check_config_files(value)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

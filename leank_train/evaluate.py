@@ -18,7 +18,8 @@ from types import SimpleNamespace
 from typing import Literal
 
 from leank_infer import ChannelMask
-from leank_infer.cli_types import PositiveInt
+from leank_infer.cli_types import PositiveInt, output_file, staged
+from leank_infer.folders.atomic import write_file
 from leank_infer.hub.card import write_model_card
 
 from .errors import RecipeError
@@ -83,6 +84,15 @@ def eval_command(
 
 
 def _eval(args: SimpleNamespace, cmd: str) -> int:
+    if args.json:  # checked before the run: a bad path fails now, not after it; never inside a mask folder
+        args.json = output_file(args.json, "--json")
+    if args.plot:  # inside a mask folder only when --card takes it in (drawn elsewhere, copied by the swap)
+        args.plot = output_file(args.plot, "--plot", ".png", carded=args.mask if args.card else ())
+    with staged(args.plot) as draw_to:
+        return _evaluate(args, cmd, draw_to)
+
+
+def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
     from leank_infer import LeanKModel
     from leank_infer.hub.plots import plot_accuracy, plot_ratio_sweep
     from leank_infer.mask import model_positions
@@ -114,15 +124,15 @@ def _eval(args: SimpleNamespace, cmd: str) -> int:
         res = ratio_sweep(lm, masks, args.lengths, args.samples, kinds, args.seed, tasks=tasks)
         table = format_sweep(res)
         if args.plot:
-            plot_ratio_sweep(res, args.plot, cmd)
+            plot_ratio_sweep(res, draw_to, cmd)
     else:
         res = evaluate(lm, args.lengths, args.samples, kinds, args.methods, args.seed, kl=not args.no_kl, tasks=tasks)
         table = format_table(res)
         if args.plot:
-            plot_accuracy(res, args.plot, cmd)
+            plot_accuracy(res, draw_to, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[args.plot] if args.plot else ())
+            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[draw_to] if args.plot else ())
     if args.card and len(args.mask) > 1:
         from leank_infer.hub.card import EVAL_FILE
 
@@ -134,9 +144,9 @@ def _eval(args: SimpleNamespace, cmd: str) -> int:
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
                 if "tasks" in row:
                     rows = card_results({**row, "methods": ["full", "leank"]}, cmd)
-            write_model_card(path, rows, figures=figures, figure_files=[args.plot] if args.plot else ())
+            write_model_card(path, rows, figures=figures, figure_files=[draw_to] if args.plot else ())
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"command": cmd, **res}, indent=2))
+        write_file(args.json, json.dumps({"command": cmd, **res}, indent=2))
     return 0

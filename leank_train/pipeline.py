@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
-from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
+from leank_infer.mask import MASK_FILE, ChannelMask, MaskError, check_mask_target
 
 from .cli import run_cli
 from .compare import MaskSnapshot, format_comparison, read_reference
@@ -42,6 +42,7 @@ from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
 from .recipe import Recipe, stage_config
+from .recipe_checks import check_recipe
 
 # settings that change neither the data, the steps nor the learned alpha: leaving them out of the
 # fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
@@ -182,6 +183,10 @@ def run(recipe: Recipe, *, stage: Literal[1, 2] | None = None, quick: bool = Fal
 
 
 def _run(recipe: Recipe, stages: tuple[int, ...] = (1, 2)) -> int:
+    # every value, and both export folders, refused before anything loads or trains (not after a stage trained)
+    check_recipe(recipe)
+    for folder in [recipe.scores_dir] * (1 in stages) + [recipe.output_dir] * (2 in stages):
+        check_mask_target(folder)
     start = time.perf_counter()
     references: dict[str, MaskSnapshot] = {}
 

@@ -73,8 +73,9 @@ class _Run:
         r = lambda h: torch.randn(b, h, q_len, D, generator=self.gen).to(self.dtype)  # noqa: E731
         return r(HKV * GROUPS), r(HKV), r(HKV)
 
-    def step(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of ``q_len`` new tokens; returns (LeanK output, the 4D mask the model would build)."""
+    def step(self, q_len: int, two_d: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``q_len`` new tokens; returns (LeanK output, the 4D mask the model would build;
+        ``two_d``: the attention gets the 2-D padding mask itself instead)."""
         q, k, v = self._rand(q_len)
         past = 0 if self.k is None else self.k.shape[2]
         if past:
@@ -96,7 +97,8 @@ class _Run:
         kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}  # as generate() numbers them
         kk, vv = self.layer.update(k, v, kwargs=kwargs)
         assert kwargs["leank_layer"] is self.layer
-        out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=D**-0.5, **kwargs)
+        given = self.pad[:, : past + q_len] if two_d else mask
+        out, _ = leank_attention_forward(_Attn(), q, kk, vv, given, scaling=D**-0.5, **kwargs)
         self.q = q
         return out, mask
 
@@ -413,3 +415,61 @@ def test_an_accumulation_of_one_token_rolls_one_key_per_step(monkeypatch):
     k = torch.randn(2, HKV, 12, D)
     got_k, got_v = layer.update(k, k)
     assert got_k is k and layer.starts.tolist() == [0, 0] and layer.length == 12
+
+
+# ---- issue #31 items 11-13 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("two_d", [False, True], ids=["4d-mask", "2d-mask"])
+def test_a_padding_mask_with_holes_in_the_middle_is_followed(two_d):
+    """Item 12: a mask that hides keys in the middle (not only left padding) hides them at decode too, as in
+    the rule with the same mask (dropping the middle's visibility changed the output by 0.34)."""
+    run = _Run(_keep(), [30, 24])
+    run.step(30)
+    assert run.layer.mid_len > 10
+    run.pad[:, 10:14] = False  # holes in both rows' middle, and one more in row 1's
+    run.pad[1, 18] = False
+    for q_len in [1, 1, 1, 2, 1]:
+        out, _ = run.step(q_len, two_d=two_d)
+        assert _rel_err(out, run.reference()) < 1e-5
+    plain = _Run(_keep(), [30, 24])  # the holes matter: without them the output differs
+    plain.step(30)
+    for q_len in [1, 1, 1, 2, 1]:
+        plain_out, _ = plain.step(q_len)
+    assert _rel_err(plain_out, out) > 1e-2
+
+
+def test_row_starts_from_the_hint_follow_expanded_rows():
+    """Item 11: transformers < 5.20 gives the prefill no position_ids; generate's cache hook hints each prompt's
+    start, and generate expands rows after (beams, num_return_sequences): each expanded row keeps its own
+    prompt's start ([0, 0, 5, 5] for starts [0, 5] expanded 2x, not [0, 5, 0, 5]). Tested on the layer, so it
+    runs on every transformers version."""
+    keep = _keep()
+    mask = ChannelMask(keep=keep.unsqueeze(0), sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, ratio=0.5,
+                       align=4)
+    cache = LeanKCache(mask)
+    cache.prefill_starts = torch.tensor([0, 5])
+    k, v = torch.randn(4, HKV, 20, D), torch.randn(4, HKV, 20, D)
+    cache.update(k, v, 0)  # no position_ids, as transformers < 5.20 calls it
+    layer = cache.layers[0]
+    assert layer.starts.tolist() == [0, 0, 5, 5]
+    assert layer.head_len == 5 + SINK and layer.padded
+    starts = LeanKLayer(keep, SINK, RECENT, ACCUMU)
+    starts.starts_hint = torch.tensor([2, 0, 7])  # three prompts, three sequences each
+    starts.update(torch.randn(9, HKV, 20, D), torch.randn(9, HKV, 20, D), kwargs={})
+    assert starts.starts.tolist() == [2, 2, 2, 0, 0, 0, 7, 7, 7]
+
+
+def test_crop_back_to_exactly_the_recent_start_is_allowed():
+    """Item 13: the tokens from ``recent_start`` on are uncompressed; crop may drop all of them (assisted
+    decoding can reach it), and not one more."""
+    for steps in (0, 3, 9):
+        run = _Run(_keep(), [30])
+        run.step(30)
+        for _ in range(steps):
+            run.step(1)
+        layer = run.layer
+        n = layer.length - layer.recent_start
+        assert n >= RECENT
+        with pytest.raises(ValueError, match="uncompressed"):
+            copy.deepcopy(layer).crop(-(n + 1))
+        layer.crop(-n)
+        assert layer.length == layer.recent_start and layer.tail_len == 0

@@ -254,6 +254,30 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     assert "licence" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
+def test_base_model_given_on_the_command_line_wins_over_a_known_release(tmp_path, monkeypatch, capsys):
+    """Issue #31 item 7: a file leank knows (by sha256) defaults its base model, and --base-model overrides it."""
+    from leank_infer.reference_import import sha256_of
+
+    src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
+    monkeypatch.setitem(KNOWN_RELEASES, sha256_of(src), {"base_model": "org/known", "path": "configs/m.pth"})
+    assert cli(["import", str(src), str(tmp_path / "a")]) == 0
+    assert ChannelMask.from_dir(tmp_path / "a").base_model == "org/known"
+    assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/fine-tune"]) == 0
+    mask = ChannelMask.from_dir(tmp_path / "b")
+    assert mask.base_model == "org/fine-tune" and mask.extra["provenance"]["path"] == "configs/m.pth"
+
+
+def test_import_aligns_to_the_head_dim_too(tmp_path):
+    """Item 8: every head keeping 48 of 64 channels is a valid mask: align gcd(64, 48) = 16, not 48 (which
+    does not divide head_dim and would refuse it)."""
+    keep = torch.zeros(2, 2, 64)
+    keep[..., :48] = 1
+    src = _save_reference(tmp_path / "m.pth", keep)
+    mask = import_reference_mask(src, tmp_path / "out", base_model="org/model")
+    assert mask.align == 16 and ChannelMask.from_dir(tmp_path / "out").align == 16
+    assert mask.ratio == pytest.approx(0.25)
+
+
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     import leank_infer.hub.card as card
 
@@ -316,6 +340,61 @@ def test_capacity_rows_follow_the_formula():
     assert capacity_rows(mask, 10, weights)[0]["dense_batch"] == 0  # weights alone do not fit
     with pytest.raises(ValueError, match="positive"):
         capacity_rows(mask, 0, weights)
+
+
+def test_weights_are_counted_at_the_dtypes_size():
+    """Issue #31 item 9: fp32 weights take 4 bytes a parameter (at 2 they would halve and overstate the batch)."""
+    from leank_infer.mask.capacity import weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    sizes = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+    assert {d: weights_bytes_of(mask, None, d) for d in sizes} == {d: n * b for d, b in sizes.items()}
+    assert weights_bytes_of(mask, 70.0, torch.float32) == 70 * GiB  # given: taken as is
+    rows = capacity_rows(mask, 80, weights_bytes_of(mask, None, torch.float32), torch.float32)
+    free = 80 * GiB - 4 * n
+    assert rows[0]["dense_batch"] == int(free // (4096 * 2 * 131072))  # fp32 K/V: twice bf16's bytes per token
+
+
+def test_capacity_table_and_main_print_the_numbers_worked_out_by_hand(capsys):
+    """The table's text against numbers worked out once (the fp32 Llama case of issue #31: 50/74 at 4k on 80 GiB),
+    a GPU where nothing fits (0, no gain), and what --capacity prints above the table."""
+    from leank_infer.mask.capacity import base_parameters, capacity_main, weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    head = ["| context | dense KV GiB / seq | LeanK KV GiB / seq | dense max batch | LeanK max batch | batch gain |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    assert capacity_table(mask, 80, 4 * n, torch.float32).splitlines() == head + [
+        "| 4,096 | 1.000 | 0.673 | 50 | 74 | 1.48x |",
+        "| 32,768 | 8.000 | 4.625 | 6 | 10 | 1.67x |",
+        "| 131,072 | 32.000 | 18.171 | 1 | 2 | 2.00x |",
+    ]
+    assert capacity_table(mask, 16, 2 * n).splitlines()[2:] == [
+        "| 4,096 | 0.500 | 0.337 | 2 | 3 | 1.50x |",
+        "| 32,768 | 4.000 | 2.312 | 0 | 0 | - |",
+        "| 131,072 | 16.000 | 9.086 | 0 | 0 | - |",
+    ]
+    assert capacity_rows(mask, 0.5, 0)[0]["dense_batch"] == 1  # half a GiB is a GPU size too
+    assert capacity_main(str(HUB["llama"]), [80, 16], None, torch.float32, "leank bench x --capacity 80,16") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("command: leank bench x --capacity 80,16\n")
+    assert (f"mask: {HUB['llama']} (base model meta-llama/Llama-3.1-8B-Instruct), float32 K/V; weights 29.92 GiB"
+            in out)
+    assert "\nGPU memory 80 GiB:\n\n" + capacity_table(mask, 80, 4 * n, torch.float32) in out
+    assert "\nGPU memory 16 GiB:\n\n" + capacity_table(mask, 16, 4 * n, torch.float32) in out
+    assert weights_bytes_of(mask, 0.0, torch.float32) == 0  # weights given as 0 GiB: all memory is KV
+    with pytest.raises(ValueError, match="--weights-gib must be >= 0, got -1"):
+        weights_bytes_of(mask, -1.0, torch.float32)
+    assert capacity_table(mask, 80, 4 * n, torch.float32, contexts=(1000,)).splitlines()[2:] == [
+        "| 1,000 | 0.244 | 0.244 | 205 | 205 | 1.00x |"]  # the contexts asked for (all inside sink + recent)
+    mask.extra["base_model_parameters"] = 1
+    assert weights_bytes_of(mask, None, torch.float32) == 4
+    mask.extra["base_model_parameters"] = 0  # recorded, but no size: as if not recorded
+    assert base_parameters(mask) is None
+    with pytest.raises(ValueError) as e:
+        weights_bytes_of(mask, None, torch.float32)
+    assert str(e.value).startswith("the mask does not record") and str(e.value).endswith("(GiB of weights)")
 
 
 def test_bench_capacity_flag(capsys, tmp_path):

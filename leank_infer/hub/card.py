@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..mask import ChannelMask, write_mask_folder
+from ..mask import ChannelMask, update_mask_folder
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {
@@ -330,8 +330,9 @@ def write_model_card(
 
     The folder's files, the ``figure_files`` (plots a command drew elsewhere, copied in by name) and the
     new card are written to a fresh sibling that replaces the folder in one swap
-    (:func:`~leank_infer.mask.write_mask_folder`): a reader sees the old card or the new one, and a
-    failure leaves the folder as it was. See :func:`write_card_files` for what the card keeps.
+    (:func:`~leank_infer.mask.update_mask_folder`): a reader sees the old card or the new one, a
+    failure leaves the folder as it was, and a save or export that lands while the card is drawn is
+    kept (the card is drawn again for it). See :func:`write_card_files` for what the card keeps.
     """
     folder = Path(folder)
     ChannelMask.from_dir(folder)  # a folder that is not a mask repo: its MaskError, before anything is written
@@ -346,4 +347,4 @@ def write_model_card(
             shutil.copyfile(f, tmp / f.name)
         write_card_files(tmp, eval_results, repo, figures)
 
-    return write_mask_folder(folder, fill)
+    return update_mask_folder(folder, fill)

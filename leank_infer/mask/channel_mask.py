@@ -16,13 +16,11 @@ import torch
 
 from ..folders.names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
 from .binarize import binarize, check_ratio_align
-from .folder import parse_config, read_mask_files, read_safetensors, write_mask_folder
+from .folder import check_config_header, parse_config, read_mask_files, read_safetensors, write_mask_folder
 from .format import (
     CONFIG_FILE,
     MASK_FILE,
     MAX_TOKENS,
-    READ_VERSIONS,
-    REQUIRED_KEYS,
     MaskError,
     check_config_overrides,
     format_version,
@@ -269,14 +267,7 @@ class ChannelMask:
         cfg_path, mask_path = folder / CONFIG_FILE, folder / MASK_FILE
         cfg_bytes, mask_bytes = read_mask_files(folder)
         cfg = parse_config(cfg_bytes, cfg_path)
-        version = cfg.get("format_version")
-        if type(version) is not int or version not in READ_VERSIONS:
-            raise MaskError(
-                f"{cfg_path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})"
-            )
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise MaskError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
+        check_config_header(cfg, cfg_path)
         for key in ("num_layers", "num_kv_heads", "head_dim"):
             if type(cfg[key]) is not int or cfg[key] < 1:
                 raise MaskError(f"{cfg_path}: {key} must be a positive integer, got {cfg[key]!r}")
