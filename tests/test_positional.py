@@ -255,3 +255,114 @@ def test_a_second_wrapper_decodes_with_its_own_rule():
     other = default.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     assert torch.equal(positional.generate(ids, attention_mask=torch.ones_like(ids), **kw), want)
     assert not torch.equal(other, want)
+
+
+def test_evaluation_prefills_positional_methods_on_their_own(tmp_path):
+    """The evaluation shares one dense prefill between methods; a method decoding by the positional rule prefills
+    on its own (its prompt attends by its mask): each row's answer is that prompt's own ``generate`` under the
+    rule, alone and unpadded, next to the dense-prefill methods' answers of the same batch."""
+    from test_eval_scoring import _decode
+    from test_model import tiny_repo
+
+    from leank_train.evaluate import random_mask_like, think_mask
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
+
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
+    mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (64, 41, 57)]
+    methods = [Full(), Learned(), Learned("leank-pos", rule="positional"), RandomChannels("random-pos", seed=7,
+               rule="positional"), ThinK("think-pos", rule="positional")]
+    got = answer_batch(lm, methods, prompts, [16, 16, 9])
+    rnd = random_mask_like(lm.mask, seed=7)
+    differ = 0
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        n = 9 if i == 2 else 16
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        own = {"leank-pos": lm.mask, "random-pos": rnd, "think-pos": think_mask(lm.model, ids, lm.mask)}
+        for name, m in own.items():
+            out = LeanKModel(lm.model, m, lm.tokenizer, rule="positional").generate(
+                **inputs, max_new_tokens=n, do_sample=False)
+            assert got[name][i] == lm.tokenizer.decode(out[0, len(p):], skip_special_tokens=True), (name, i)
+        assert got["leank"][i] == _decode(lm, lm.mask, inputs, n)
+        differ += got["leank"][i] != got["leank-pos"][i]
+    assert differ, "the rules should answer differently here (else the test cannot tell them apart)"
+    # the evaluated model's rule is the methods' default
+    positional = LeanKModel(lm.model, lm.mask, lm.tokenizer, rule="positional")
+    assert answer_batch(positional, [Learned()], prompts, [16, 16, 9])["leank"] == got["leank-pos"]
+
+
+def test_rule_on_the_command_lines(tmp_path, capsys, monkeypatch):
+    """--rule positional reaches the model of leank generate / bench / eval; a bad rule, and --dense-until with
+    the positional rule, are one usage error each."""
+    from test_model import tiny_repo
+
+    import leank_train.evaluate as ev
+    from leank_infer.cli import main
+
+    mask_dir, _ = tiny_repo(tmp_path, mask=random_mask(seed=1))
+    text = " ".join(f"w{3 + (i * 7) % 120}" for i in range(40))
+    assert main(["generate", str(mask_dir), "--prompt", text, "--max-new-tokens", "8", "--rule", "positional"]) == 0
+    out = capsys.readouterr().out
+    assert "rule positional" in out
+    lk = LeanKModel.from_pretrained(mask_dir, rule="positional")
+    enc = lk.tokenizer(text, return_tensors="pt")
+    want = lk.tokenizer.decode(lk.generate(**enc, max_new_tokens=8, do_sample=False)[0, 40:], skip_special_tokens=True)
+    assert want.strip() and want.strip().split()[0] in out.split(" | ")[-1]
+
+    assert main(["bench", str(mask_dir), "--contexts", "64", "--batches", "1,2", "--new-tokens", "4",
+                 "--rule", "positional"]) == 0
+    out = capsys.readouterr().out
+    assert "--rule positional" in out and "rule positional" in out
+    assert main(["bench", str(mask_dir), "--contexts", "64", "--dense-until", "32", "--rule", "positional"]) == 2
+    assert "no meaning under --rule positional" in capsys.readouterr().err
+    assert main(["generate", str(mask_dir), "--prompt", "w5", "--rule", "vllm"]) == 2
+    assert "vllm" in capsys.readouterr().err
+
+    seen = {}
+    real = ev.evaluate
+
+    def spy(lm, lengths, samples, *args, **kwargs):
+        seen["rule"] = lm.rule
+        return real(lm, [300], 1, *args, **{**kwargs, "tasks": ["passkey"]})
+
+    monkeypatch.setattr(ev, "evaluate", spy)
+    res = tmp_path / "r.json"
+    assert main(["eval", str(mask_dir), "--quick", "--methods", "full", "leank", "--rule", "positional",
+                 "--json", str(res)]) == 0
+    assert seen == {"rule": "positional"}
+    saved = __import__("json").loads(res.read_text())
+    assert saved["rule"] == "positional" and "--rule positional" in saved["command"]
+
+
+@pytest.mark.slow
+def test_embedded_model_with_the_recommended_mask(embedded):
+    """SmolLM2-135M with hub/smollm2-135m-instruct-s3 (sink 16, recent 64, accumu 16; zero heads): greedy
+    generate under the positional rule equals the reference loop, and a chunked prefill equals one prefill."""
+    from pathlib import Path
+
+    model, tok = embedded
+    mask = ChannelMask.from_pretrained(Path(__file__).resolve().parents[1] / "hub" / "smollm2-135m-instruct-s3")
+    assert (mask.kept_counts == 0).any()
+    lk = LeanKModel(model, mask, tok, rule="positional")
+    rows = [tok(" ".join(f"The code word of item {i} is {i * 7919 % 10000}." for i in range(n))
+                + " The code word of item 12 is")["input_ids"] for n in (40, 33)]
+    width = len(rows[0])
+    ids = torch.full((2, width), tok.eos_token_id, dtype=torch.long)
+    attn = torch.zeros(2, width, dtype=torch.long)
+    for r, row in enumerate(rows):  # row 1 left-padded
+        ids[r, width - len(row):], attn[r, width - len(row):] = torch.tensor(row), 1
+    new = 6
+    kw = dict(max_new_tokens=new, min_new_tokens=new, **{**GREEDY, "pad_token_id": tok.eos_token_id})
+    got = lk.generate(ids, attention_mask=attn, **kw)
+    want_ids, want_logits = reference_greedy(model, mask, ids, attn, new)
+    assert torch.equal(got.sequences, want_ids)
+    for x, y in zip(got.logits, want_logits, strict=True):
+        torch.testing.assert_close(x, y, atol=2e-4, rtol=1e-4)
+    chunked = lk.generate(ids, attention_mask=attn, prefill_chunk_size=128, **kw)
+    assert torch.equal(chunked.sequences, got.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(got.logits), atol=2e-4, rtol=1e-4)
