@@ -435,6 +435,7 @@ def test_positional_prefill_and_decode_equal_the_rule(lengths):
     rows reach a key at different steps), a head keeping nothing among them; compressions happen."""
     run = _Run(_keep(), lengths, rule="positional")
     out, _ = run.step(max(lengths))
+    assert run.layer.prefilling and not run.layer.dense_now
     assert _rel_err(out, run.reference()) < 1e-5
     dense = leank_attention(run.q, run.k, run.v, torch.ones(HKV, D), torch.arange(max(lengths)), SINK, RECENT,
                             D**-0.5, key_start=run.starts, key_padding_mask=run.pad)

@@ -220,6 +220,11 @@ def test_crop_keeps_what_the_next_query_needs():
         lk(ids[:, :30], cache=fresh)
         want = [lk(ids[:, t : t + 1], cache=fresh).logits[:, -1] for t in range(30, 34)][-1]
     torch.testing.assert_close(after, want, atol=2e-5, rtol=1e-4)
+    # back to just after the middle: those tokens are whole, but the query there needs recent keys that the
+    # middle holds with the kept channels only
+    assert layer.tail_len > 1
+    with pytest.raises(ValueError, match="uncompressed"):
+        cache.crop(-(layer.tail_len - 1))
     with pytest.raises(ValueError, match="uncompressed"):
         cache.crop(-(cache.get_seq_length() - layer.head_len - layer.mid_len + 2))
 
