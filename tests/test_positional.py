@@ -371,3 +371,21 @@ def test_embedded_model_with_the_recommended_mask(embedded):
     chunked = lk.generate(ids, attention_mask=attn, prefill_chunk_size=128, **kw)
     assert torch.equal(chunked.sequences, got.sequences)
     torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(got.logits), atol=2e-4, rtol=1e-4)
+
+
+def test_eval_masks_answers_under_both_rules_on_the_same_probes(tmp_path):
+    """benchmarks/eval_masks.py --rules: each mask once per rule, the first rule's names unchanged, on one set of
+    probes (paired with the same full-model answers)."""
+    import json
+
+    from conftest import load_benchmark
+    from test_model import tiny_repo
+
+    mask_dir, _ = tiny_repo(tmp_path, mask=random_mask(seed=1))
+    out = tmp_path / "run.json"
+    load_benchmark("eval_masks").main([str(mask_dir), "--lengths", "300", "--samples", "2", "--tasks", "passkey",
+                                       "--threads", "1", "--seed", "0", "--no-baselines", "--rules", "dense-prefill",
+                                       "positional", "--json", str(out)])
+    run = json.loads(out.read_text())
+    assert run["methods"] == ["full", "leank-r50", "leank-r50-positional"]
+    assert all(set(row["correct"]) == set(run["methods"]) for row in run["answers"]) and len(run["answers"]) == 2
