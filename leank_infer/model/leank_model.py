@@ -4,7 +4,8 @@ The model itself is untouched but for its attention implementation, set to ``"le
 cache its ``generate`` builds (a :class:`~leank_infer.decode.cache.LeanKCache`, see
 :mod:`leank_infer.model.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
 decode with LeanK as ``LeanKModel.generate`` does. A forward without a cache (a loss, a prefill) is
-dense, as LeanK's prefill is; decoding over any other cache is an error, never silently dense.
+dense, as the default rule's prefill is (a forward with ``new_cache()`` follows the model's ``rule``);
+decoding over any other cache is an error, never silently dense.
 Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
 """
 
