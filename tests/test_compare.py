@@ -160,7 +160,7 @@ def test_leank_run_writes_its_folder_and_compares_without_touching_the_committed
     base = base_model(tmp_path / "tiny-llama")
     path = str(recipe(tmp_path, base))
     committed = tmp_path / "hub" / "tiny"
-    # the "committed" mask: the recipe exporting into hub/ (what the README's reproduction command does)
+    # the "committed" mask: the recipe exporting into hub/ (what `--mask_dir hub/...` does, docs/training.md)
     assert leank(["run", path, "--mask_dir", str(committed)]) == 0
     before = (committed / MASK_FILE).read_bytes()
     capsys.readouterr()

@@ -17,7 +17,7 @@ def test_estimate_matches_the_formula_for_llama_8b_shapes():
     cfg = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
     e = estimate_kv_bytes(cfg, ratio=0.7, zero_head_fraction=0.17, dtype=torch.bfloat16)
     assert e["dense_bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # 128 KiB per token
-    assert e["ratio"] == pytest.approx((0.30 + 0.83) / 2)  # LEANK.md's byte floor
+    assert e["ratio"] == pytest.approx((0.30 + 0.83) / 2)  # the byte floor of docs/rule.md, "Bytes per token"
     assert estimate_kv_bytes(cfg, ratio=0.0)["ratio"] == pytest.approx(1.0)
 
 

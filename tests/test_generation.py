@@ -76,7 +76,7 @@ def test_model_generate_decodes_with_leank(built_caches):
 
 
 def test_pipeline_decodes_with_leank(tmp_path, built_caches):
-    """The README's pipeline recipe: ``pipeline("text-generation", model=m.model, tokenizer=m.tokenizer)``."""
+    """The quick start's pipeline recipe (docs/quickstart.md): ``pipeline("text-generation", model=m.model, tokenizer=m.tokenizer)``."""
     mask_dir, _ = tiny_repo(tmp_path, mask=random_mask(ratio=0.6))
     m = LeanKModel.from_pretrained(mask_dir)
     pipe = pipeline("text-generation", model=m.model, tokenizer=m.tokenizer)
@@ -89,7 +89,7 @@ def test_pipeline_decodes_with_leank(tmp_path, built_caches):
     want = m.generate(**enc, **GREEDY)[0, n:]
     assert got.strip() == m.tokenizer.decode(want, skip_special_tokens=True).strip()
 
-    messages = [{"role": "user", "content": text}]  # chat input, as in the README
+    messages = [{"role": "user", "content": text}]  # chat input, as in the quick start
     reply = pipe(messages, **GREEDY)[0]["generated_text"][-1]
     assert reply["role"] == "assistant" and reply["content"].strip()
     chat = m.tokenizer(m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
@@ -216,7 +216,7 @@ def test_cache_under_either_name_and_the_last_mask_wins(built_caches):
 
 @pytest.mark.slow
 def test_readme_pipeline_on_the_embedded_model(embedded, built_caches):
-    """The README's quick start, pipeline variant, on the embedded model and the committed mask."""
+    """The quick start's pipeline variant (docs/quickstart.md), on the embedded model and the committed mask."""
     model, tok = embedded
     m = LeanKModel.from_pretrained("hub/smollm2-135m-instruct", model=model, tokenizer=tok)
     pipe = pipeline("text-generation", model=m.model, tokenizer=m.tokenizer)

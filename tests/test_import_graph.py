@@ -1,4 +1,4 @@
-"""The code layout README's "Code layout" describes holds: folders import only the folders below them,
+"""The code layout docs/architecture.md ("The layers") describes holds: folders import only the folders below them,
 no import cycle, and leank_infer never imports leank_train (read from the source with ``ast``, nothing run)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ PACKAGES = ("leank_infer", "leank_train")
 # Top level (the CLIs, bench, reference_import, the package facade) and vllm/ sit above them all.
 INFER_ORDER = ("folders", "mask", "hub", "decode", "model")
 # The only imports that reach up (deferred, inside a function): the Hub conveniences on the mask object
-# that DESIGN.md promises, ChannelMask.from_pretrained (download a revision to a folder) and push_to_hub
+# (docs/architecture.md, "The layers"), ChannelMask.from_pretrained (download a revision to a folder) and push_to_hub
 # (which writes a card for a bare mask, and the card reads the mask: publish sits above both).
 UPWARD = {
     ("leank_infer.mask.channel_mask", "leank_infer.hub.transfer"),

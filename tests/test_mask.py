@@ -207,6 +207,24 @@ def test_unknown_format_version(tmp_path):
         ChannelMask.from_pretrained(folder)
 
 
+def test_format_version_is_the_newest_read_and_written(tmp_path):
+    """FORMAT_VERSION bounds what this leank reads (every version up to it, none above) and is what a mask
+    recording config overrides is written as; a plain mask stays version 1, an adapter-only one version 2."""
+    from leank_infer.mask.format import FORMAT_VERSION, format_version
+
+    assert format_version(adapter=False, config_overrides=True) == FORMAT_VERSION
+    assert format_version(adapter=True, config_overrides=False) == 2
+    assert format_version(adapter=False, config_overrides=False) == 1
+    folder = _saved(tmp_path)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    for version in range(1, FORMAT_VERSION + 1):
+        (folder / CONFIG_FILE).write_text(json.dumps({**cfg, "format_version": version}))
+        assert ChannelMask.from_pretrained(folder).num_layers == cfg["num_layers"]
+    (folder / CONFIG_FILE).write_text(json.dumps({**cfg, "format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(MaskError, match=f"format_version {FORMAT_VERSION + 1}"):
+        ChannelMask.from_pretrained(folder)
+
+
 def test_config_not_json(tmp_path):
     folder = _saved(tmp_path)
     (folder / CONFIG_FILE).write_text("{not json")

@@ -164,7 +164,7 @@ def test_left_padded_batch_equals_each_prompt_alone(family):
 def _first_step_rule_attention(mask: ChannelMask):
     """An attention function: dense for every query but the last, which follows the LeanK rule over full K/V
     (middle keys scored with the kept channels only; a zero head skips them). Over a prompt + one token this
-    is what the first decode step after that prompt's prefill must compute (LEANK.md), from positions alone."""
+    is what the first decode step after that prompt's prefill must compute (docs/rule.md, "The decode schedule"), from positions alone."""
     from leank_infer.decode.masked_attention import leank_attention
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -226,7 +226,7 @@ def test_kv_bytes_for_2048_tokens_follow_the_mask_formula():
 
 def test_kv_bytes_after_many_decode_steps_follow_the_schedule():
     """Through 40 decode steps (ten compressions), the cache holds exactly the rule's bytes: sink + r full
-    tokens and the rest pruned, r computed here from the sizes alone (LEANK.md): recent after the prefill;
+    tokens and the rest pruned, r computed here from the sizes alone (docs/rule.md, "The decode schedule"): recent after the prefill;
     before each new token joins, accumu of them move to the middle if r passed recent + accumu. So the
     query at p sees full keys [p - r', p] with recent <= r' <= recent + accumu."""
     model = tiny_model("llama")

@@ -61,7 +61,7 @@ def test_yarn_recipe_passes_rope_scaling_to_the_model(capsys):
 
 @pytest.mark.parametrize("recipe", [p for p in RECIPES if not p.stem.startswith("smollm2-135m")], ids=lambda p: p.stem)
 def test_gpu_recipes_take_the_scaling_flags(recipe, capsys):
-    # the README's 8-GPU / 2-node commands: devices, nodes and the sequence-parallel strategy parse
+    # docs/scaling.md's 8-GPU / 2-node commands: devices, nodes and the sequence-parallel strategy parse
     strategy = "{class_path: leank_train.sequence_parallel.SequenceParallelStrategy, init_args: {sequence_parallel_size: 4}}"
     flags = ["--trainer.devices", "8", "--trainer.num_nodes", "2", "--trainer.strategy", strategy]
     cfg = fit_config(recipe, 1, capsys, *flags)

@@ -1,6 +1,6 @@
 """The Triton decode kernel against the PyTorch reference, on triton's CPU interpreter.
 
-fp16 and fp32 only: under TRITON_INTERPRET=1, tl.dot of bf16 operands is wrong (DESIGN.md,
+fp16 and fp32 only: under TRITON_INTERPRET=1, tl.dot of bf16 operands is wrong (docs/architecture.md,
 "Known pitfalls"); bf16 is checked on a GPU by benchmarks/kernel.py. Shapes are tiny: the
 interpreter runs every program in numpy.
 """
@@ -280,6 +280,19 @@ def test_q_len_above_one_falls_back_to_torch():
     q3 = lambda m: m.expand(1, 3, m.shape[-1])  # noqa: E731
     masks = DecodeMasks(q3(masks.head_full), q3(masks.head_mid))
     with pytest.raises(ValueError, match="q_len > 1"):
+        td.triton_decode_attention(q, layout, masks, scale)
+    got = bk.decode_attention(q, layout, masks, scale, backend="triton")
+    torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
+
+
+def test_tail_keys_with_kept_channels_fall_back_to_torch():
+    """The positional rule with left padding scores a row's oldest tail keys with the kept channels
+    (``DecodeMasks.tail_mid``): the kernel does not, so the dispatcher takes the PyTorch path."""
+    q, layout, masks, scale = make_case([16, 32], mid=5)
+    tail_mid = torch.zeros(1, 1, layout.tail_len, dtype=torch.bool)
+    tail_mid[..., :3] = True
+    masks = dataclasses.replace(masks, tail=~tail_mid, tail_mid=tail_mid)
+    with pytest.raises(ValueError, match="tail keys scored with the kept channels"):
         td.triton_decode_attention(q, layout, masks, scale)
     got = bk.decode_attention(q, layout, masks, scale, backend="triton")
     torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .rule import apply_softcap, attended, gqa_view, key_regions, training_recent_from
+from .rule import apply_softcap, attended, gqa_view, key_regions, row_recent_from, training_recent_from
 
 
 def leank_attention(
@@ -31,6 +31,7 @@ def leank_attention(
     skip_zero_heads: bool = False,
     q_chunk: int = 256,
     softcap: float | None = None,
+    accumu_size: int | None = None,
 ) -> torch.Tensor:
     """LeanK attention; returns ``[batch, queries, q_heads, head_dim]`` (the HF attention-output layout).
 
@@ -42,6 +43,9 @@ def leank_attention(
         key_padding_mask: ``[B, K]`` bool, False for keys to ignore (padding).
         skip_zero_heads: heads whose scale is all zero ignore their middle keys.
         softcap: attention logit soft-capping, ``cap * tanh(logit / cap)`` after the scale (Gemma 2).
+        accumu_size: None for training's rule (each query's last ``recent_size`` keys are recent); an int
+            for the positional rule (:func:`~leank_infer.decode.rule.positional_recent_from`), which
+            counts positions from each row's first real token.
     """
     b, hq, q_len, d = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
@@ -61,7 +65,12 @@ def leank_attention(
     for s in range(0, q_len, q_chunk):
         q = q5[:, :, :, s : s + q_chunk]
         p = pos[:, s : s + q_chunk].unsqueeze(-1)  # [B, q, 1]
-        visible, middle = key_regions(j, p, start.view(b, 1, 1), sink_size, training_recent_from(p, recent_size))
+        if accumu_size is None:
+            recent_from = training_recent_from(p, recent_size)
+        else:
+            row = start.view(b, 1, 1)
+            recent_from = row_recent_from(p, row, recent_size, accumu_size)
+        visible, middle = key_regions(j, p, start.view(b, 1, 1), sink_size, recent_from)
         if key_padding_mask is not None:
             visible = visible & key_padding_mask.to(key.device).bool().unsqueeze(1)
             middle = middle & visible

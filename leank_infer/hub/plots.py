@@ -1,4 +1,4 @@
-"""The result figures of the README and the mask cards, each drawn from what one command measured.
+"""The result figures of the docs and the mask cards, each drawn from what one command measured.
 
 matplotlib is imported lazily (it comes with the ``train`` extra); every function writes one PNG and
 puts the producing command under the title, so a figure never travels without its provenance.

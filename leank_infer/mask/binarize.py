@@ -1,4 +1,4 @@
-"""LeanK's binarisation: learned channel scores to a keep mask (LEANK.md, stage 2)."""
+"""LeanK's binarisation: learned channel scores to a keep mask (docs/rule.md, "Binarisation")."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _counts(s: torch.Tensor, threshold: torch.Tensor, align: int) -> torch.Tenso
 def binarize(
     scores: torch.Tensor, ratio: float, align: int, min_kept: int = 0, dense_layers: Any = ()
 ) -> torch.Tensor:
-    """LeanK's binarisation (LEANK.md, stage 2): global quantile, per-head count rounded to ``align``, top-k.
+    """LeanK's binarisation (docs/rule.md, "Binarisation"): global quantile, per-head count rounded to ``align``, top-k.
 
     The threshold is the ``ratio``-quantile of all scores; a head keeps
     ``round(#scores above threshold / align) * align`` channels, namely its highest-scoring ones.

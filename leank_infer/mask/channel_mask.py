@@ -23,6 +23,7 @@ from .format import (
     MAX_TOKENS,
     MaskError,
     check_config_overrides,
+    format_version,
 )
 from .kv_bytes import dense_token_bytes, kept_token_bytes
 from .layers import check_dense_layers, dense_layers_of, model_shape
@@ -207,7 +208,7 @@ class ChannelMask:
         adapter = {"adapter": self.adapter, "adapter_revision": self.adapter_revision} if self.adapter else {}
         overrides = {"config_overrides": dict(self.config_overrides)} if self.config_overrides else {}
         return {
-            "format_version": 3 if overrides else 2 if adapter else 1,
+            "format_version": format_version(adapter=bool(adapter), config_overrides=bool(overrides)),
             "base_model": self.base_model,
             "base_revision": self.base_revision,
             **adapter,

@@ -20,8 +20,13 @@ from typing import Any
 # instead of loading the bare base model and decoding a model the mask was not learned on: 2 for a
 # mask naming a PEFT adapter, 3 for one with base-model config overrides (YaRN's rope_parameters),
 # which a version-2 reader would ignore. Every other mask is still written as version 1. All are read.
-FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 3  # the newest version: this leank reads every version up to it, and none above
+READ_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
+
+
+def format_version(*, adapter: bool, config_overrides: bool) -> int:
+    """The version a mask is written as: the lowest one whose readers honour everything it records."""
+    return FORMAT_VERSION if config_overrides else 2 if adapter else 1
 MASK_FILE = "mask.safetensors"
 CONFIG_FILE = "config.json"
 REQUIRED_KEYS = (

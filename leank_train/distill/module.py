@@ -1,11 +1,11 @@
 """The LightningModule that learns LeanK channel scalers by distillation (both stages).
 
-A step (LEANK.md, "Cost of a training step"): one no-grad forward of context + answer gives the
+A step (docs/rule.md, "The training step"): one no-grad forward of context + answer gives the
 teacher's final hidden states on the answer and records the context's post-RoPE K/V
 (``TeacherState``); the student runs only the answer tokens against those K/V with LeanK attention
 (``leank_student``), K of middle keys scaled by alpha (stage 1) or by the binary mask with a
 straight-through gradient (stage 2). Only ``[answer x context]`` scores exist. Scaling out
-(DDP/FSDP, sequence parallelism, activation checkpointing): README "Scaling out".
+(DDP/FSDP, sequence parallelism, activation checkpointing): docs/scaling.md.
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ class NeedleMultiKey(Task):
     max_new_tokens = 16
 
     # 1 distractor: the embedded 135M model answers 7/8 at 1k (3 distractors: 6/8), development seed 7
-    # (benchmarks/task_difficulty.py; README "The evaluation suite")
+    # (benchmarks/task_difficulty.py; docs/evaluation.md, "Dev and report seeds")
     def __init__(self, distractors: int = 1) -> None:
         self.distractors = distractors
 

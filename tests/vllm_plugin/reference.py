@@ -1,7 +1,7 @@
 """Greedy tokens of ``LeanKModel.generate`` for the vLLM tests, run in the main environment.
 
 The vLLM environment pins transformers <5.20, where ``generate()`` does not take ``cache=``
-(DESIGN.md, known pitfalls); the reference therefore runs in the project's main environment:
+(docs/architecture.md, "Known pitfalls"); the reference therefore runs in the project's main environment:
 ``python tests/vllm_plugin/reference.py`` reads ``{"model", "mask", "prompts", "max_new_tokens"}`` as JSON
 on stdin and prints ``{"tokens": [[...], ...]}``, each prompt (token ids) generated alone.
 """

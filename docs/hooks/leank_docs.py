@@ -1,0 +1,334 @@
+"""mkdocs hooks: the docs pages and tables that are made from the repository at build time.
+
+- one page per mask folder in ``hub/`` (``masks/<folder>/``): its model card (``hub/<folder>/README.md``,
+  written by ``leank_infer/hub/card.py`` from the folder's files and ``eval.json``), its figures, and the
+  runs behind it: each command recorded in ``eval.json`` with the date git last changed its results;
+- markers in the hand-written pages, replaced by generated markdown:
+  ``<!-- leank:masks-table -->`` (the headline table of the published masks),
+  ``<!-- leank:recipes-table -->`` (which recipe gives which mask, its budget and score),
+  ``<!-- leank:suite-table -->`` (the evaluation suite's rows of every evaluated mask, per task),
+  ``<!-- leank:cli -->`` (the ``leank`` command reference, rendered from the real parsers).
+
+The same functions print the README's mask table: ``python docs/hooks/leank_docs.py masks-table``
+(``tests/test_docs.py`` checks that README.md holds exactly that output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HUB = ROOT / "hub"
+RECIPES = ROOT / "recipes"
+MARKER = re.compile(r"<!-- leank:([\w-]+) -->")
+STATS_COMMAND = (
+    "python -c \"import torch; from leank_infer import ChannelMask; "
+    "print(ChannelMask.from_pretrained('{folder}').stats(dtype=torch.bfloat16))\""
+)
+
+
+# ---- the repository's facts ------------------------------------------------------------------------------
+def mask_folders() -> list[Path]:
+    """The published mask folders: ``hub/*`` holding a ``config.json``, sorted by name."""
+    return sorted(p for p in HUB.iterdir() if (p / "config.json").is_file())
+
+
+def git_date(path: Path, needle: str | None = None) -> str | None:
+    """The date (YYYY-MM-DD) of the last commit that changed ``path`` (with ``needle``: that changed how often
+    ``needle`` occurs in it, i.e. wrote or rewrote that run's rows); None outside a git checkout."""
+    args = ["git", "-C", str(ROOT), "log", "-1", "--format=%cs"]
+    args += [f"-S{needle}"] if needle else []
+    try:
+        out = subprocess.run([*args, "--", str(path.relative_to(ROOT))], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def eval_record(folder: Path) -> dict[str, Any]:
+    path = folder / "eval.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def headline(folder: Path) -> dict[str, Any] | None:
+    """The mask's headline at its shortest evaluated length, from ``eval.json``: the full model's and the
+    mask's mean over the tasks the full model passes, the share, lost/gained probes, and the command."""
+    rows = [r for r in eval_record(folder).get("results", []) if (r.get("dataset_args") or {}).get("task") == "headline"]
+    if not rows:
+        return None
+    length = min(r["dataset_args"]["length"] for r in rows)
+    at = {r["metric_config"]: r for r in rows if r["dataset_args"]["length"] == length}
+    if "full" not in at or "leank" not in at:
+        return None
+    full, leank = at["full"], at["leank"]
+    paired = leank.get("metric_args", {}).get("paired_vs_full", {})
+    return {
+        "length": length,
+        "full": full["value"],
+        "leank": leank["value"],
+        "share": leank["value"] / full["value"] if full["value"] else float("nan"),
+        "lost": paired.get("only_full"),
+        "gained": paired.get("only_method"),
+        "tasks": leank["dataset_args"].get("tasks", []),
+        "command": leank.get("command"),
+    }
+
+
+def mask_facts(folder: Path) -> dict[str, Any]:
+    import torch
+
+    from leank_infer import ChannelMask
+
+    mask = ChannelMask.from_dir(folder)
+    s = mask.stats(dtype=torch.bfloat16)
+    return {"mask": mask, "stats": s, "headline": headline(folder)}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _share(h: dict[str, Any] | None) -> str:
+    if h is None:
+        return "not measured here"
+    return (f"{h['leank']:.3f} vs {h['full']:.3f} = **{100 * h['share']:.0f}%** "
+            f"(-{h['lost']}/+{h['gained']} probes, {h['length']} tokens)")
+
+
+# ---- generated markdown -----------------------------------------------------------------------------------
+def masks_table(link: Callable[[str], str]) -> str:
+    """The headline table of every published mask, and the commands that produced its numbers."""
+    lines = [
+        "| mask | base model | ratio | K kept | heads with no channel | KV bytes per pruned token (bf16) | "
+        "headline accuracy, LeanK vs full = share |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    commands: dict[str, list[str]] = {}
+    for folder in mask_folders():
+        f = mask_facts(folder)
+        s, b, h = f["stats"], f["stats"]["bytes_per_token"], f["headline"]
+        lines.append(
+            f"| [{folder.name}]({link(folder.name)}) | {f['mask'].base_model} | {f['mask'].ratio:g} | "
+            f"{_pct(s['k_kept_fraction'])} | {s['zero_heads']} of {s['total_heads']} | "
+            f"{b['leank']:,} of {b['dense']:,} ({b['ratio']:.2f}x) | {_share(h)} |"
+        )
+        if h and h["command"]:
+            commands.setdefault(h["command"], []).append(folder.name)
+    out = ["\n".join(lines), ""]
+    out.append(
+        "Ratio, K kept, empty heads and bytes: `ChannelMask.stats()` of each folder "
+        f"(`{STATS_COMMAND.format(folder='hub/smollm2-135m-instruct-s3')}`, one folder at a time). "
+        "Headline accuracy: the mean over the tasks the full model passes (at least 80%) of the "
+        "evaluation suite, from each folder's `eval.json`, written by these runs:"
+    )
+    out.append("")
+    out += [f"- {', '.join(names)}: `{cmd}`" for cmd, names in commands.items()]
+    out.append("")
+    out.append("Masks marked \"not measured here\" were imported from the paper's release; "
+               "their cards quote what the authors report.")
+    return "\n".join(out)
+
+
+def recipes_table(link: Callable[[str], str]) -> str:
+    """Which recipe gives which mask, what the mask costs and how it scores (from the committed folders)."""
+    from leank_train.pipeline import load_recipe
+
+    lines = [
+        "| recipe | base model | stage 2 starts from | ratio | stage 2 | mask | KV bytes per pruned token (bf16) | "
+        "headline accuracy, LeanK vs full = share |",
+        "|---|---|---|---:|---|---|---:|---|",
+    ]
+    for path in sorted(RECIPES.glob("*.yaml")):
+        r = load_recipe(path)
+        start = f"`{r.stage1_dir}`" if r.stage1_dir else "its own stage 1"
+        s2 = r.stage2
+        anneal = (f", ratio annealed from {s2.ratio_start:g} over {s2.ratio_anneal_steps} steps"
+                  if s2.ratio_start is not None and s2.ratio_anneal_steps > 0 else "")
+        whole = f", min_kept {s2.min_kept}" if s2.min_kept else ""
+        stage2 = f"{s2.steps} steps{anneal}{whole}"
+        folder = ROOT / r.compare_to if r.compare_to else None
+        if folder is not None and (folder / "config.json").is_file():
+            f = mask_facts(folder)
+            b = f["stats"]["bytes_per_token"]
+            mask = f"[{folder.name}]({link(folder.name)})"
+            if (f["mask"].extra or {}).get("provenance"):  # imported: the run is compared with it, did not make it
+                mask = f"none trained here; compares with the imported {mask}"
+            cost = f"{b['leank']:,} ({b['ratio']:.2f}x)"
+            score = _share(f["headline"])
+        else:
+            mask, cost, score = "none committed", "", ""
+        lines.append(f"| `recipes/{path.name}` | {r.base_model} | {start} | {r.ratio:g} | {stage2} | {mask} | "
+                     f"{cost} | {score} |")
+    return "\n".join(lines)
+
+
+def suite_table(link: Callable[[str], str]) -> str:
+    """Per task, the full model and each evaluated mask on the same probes (shortest length in ``eval.json``),
+    then each method's headline; cells ``correct/n (-lost/+gained)``; from the committed folders."""
+    folders = [f for f in mask_folders() if headline(f) is not None]
+    if not folders:
+        return "No committed mask has evaluation results."
+    length = min(headline(f)["length"] for f in folders)
+    cells: dict[tuple[str, str, str], dict[str, Any]] = {}
+    tasks: list[str] = []
+    for folder in folders:
+        for r in eval_record(folder)["results"]:
+            args = r.get("dataset_args") or {}
+            if args.get("length") != length:
+                continue
+            task = args["task"]
+            if task not in tasks:
+                tasks.append(task)
+            cells[(folder.name, task, r["metric_config"])] = r
+    first = folders[0].name
+    for folder in folders[1:]:  # every mask was measured on the same probes: the full model agrees
+        for task in tasks:
+            a, b = cells.get((first, task, "full")), cells.get((folder.name, task, "full"))
+            if a and b and a["value"] != b["value"]:
+                raise ValueError(f"{folder.name}: the full model's {task} differs from {first}'s: not the same probes")
+
+    def cell(name: str, task: str, method: str) -> str:
+        r = cells.get((name, task, method))
+        if r is None:
+            return ""
+        args = r.get("metric_args") or {}
+        paired = args.get("paired_vs_full") or {}
+        if task == "headline":
+            text = f"{r['value']:.3f} +/- {args['se']:.3f}"
+        else:
+            text = f"{args['correct']}/{args['n']}"
+        if paired:
+            p = f", p={paired['mcnemar_p']:.2g}" if task == "headline" and "mcnemar_p" in paired else ""
+            text += f" (-{paired['only_full']}/+{paired['only_method']}{p})"
+        return text
+
+    names = [f.name for f in folders]
+    out = [f"{length} tokens, the learned masks (`leank`):", "",
+           "| task | full | " + " | ".join(f"[{n}]({link(n)})" for n in names) + " |",
+           "|---|---|" + "---|" * len(names)]
+    for task in tasks:
+        label = "**headline**" if task == "headline" else task
+        out.append(f"| {label} | {cell(first, task, 'full')} | "
+                   + " | ".join(cell(n, task, "leank") for n in names) + " |")
+    out += ["", f"{length} tokens, the baselines at each mask's K budget (headline):", "",
+            "| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for method in ("random", "think"):
+        out.append(f"| {method} | " + " | ".join(cell(n, "headline", method) for n in names) + " |")
+    tasks_used = headline(folders[0])["tasks"]
+    out += ["", f"Headline tasks (the full model at least 80%): {', '.join(tasks_used)}. "
+            "Each folder's `eval.json` holds these rows; the commands that measured them are on each mask's page."]
+    return "\n".join(out)
+
+
+def _help_text(name: str) -> str:
+    """``leank NAME --help`` as the real parser prints it (100 columns), without running the command."""
+    from leank_infer import cli
+
+    os.environ["COLUMNS"] = "100"
+    func = cli._load(name)
+    if name in cli.RAW_ARGV:  # `fit` is LightningCLI: it prints its own help and exits
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+            func(["--help"])
+        return buf.getvalue()
+    return cli.command_parser(func, f"leank {name}").format_help()
+
+
+def cli_reference() -> str:
+    from leank_infer import cli
+
+    out = ["```text", cli._help().rstrip(), "```", ""]
+    for name, (target, summary) in cli.COMMANDS.items():
+        out += [f"## leank {name}", "", f"{summary[0].upper()}{summary[1:]} (`{target}`).", ""]
+        text = _help_text(name).rstrip()
+        if name in cli.RAW_ARGV:
+            out += ['??? note "`leank fit --help` (LightningCLI\'s own parser, every Trainer option)"', ""]
+            out += ["    ```text", *("    " + line if line else "" for line in text.splitlines()), "    ```", ""]
+        else:
+            out += ["```text", text, "```", ""]
+    return "\n".join(out)
+
+
+def mask_page(folder: Path) -> str:
+    """The docs page of one mask folder: provenance of the page, the runs behind it, then the card."""
+    card = (folder / "README.md").read_text()
+    card = re.sub(r"\A---\n.*?\n---\n", "", card, flags=re.S).lstrip()  # the Hub metadata block
+    first, _, body = card.partition("\n")
+    title = f"# {folder.name}: {first.removeprefix('# ')}" if first.startswith("# ") else f"# {folder.name}"
+    body = body if first.startswith("# ") else card
+    record = eval_record(folder)
+    runs = []
+    for cmd in dict.fromkeys(r.get("command") for r in record.get("results", []) if r.get("command")):
+        runs.append(("evaluation rows", cmd, git_date(folder / "eval.json", cmd)))
+    for name, cmd in (record.get("figures") or {}).items():
+        runs.append((f"figure `{name}`", cmd, git_date(folder / name)))
+    lines = [
+        title,
+        "",
+        f"This page is the model card of `hub/{folder.name}/` (its `README.md`, generated by "
+        "`leank_infer/hub/card.py` from the folder's `config.json`, `mask.safetensors` and `eval.json`), "
+        "rendered when the docs are built.",
+        "",
+    ]
+    if runs:
+        lines += ["| what | command | results committed |", "|---|---|---|"]
+        lines += [f"| {what} | `{cmd}` | {date or 'no git history'} |" for what, cmd, date in runs]
+        lines.append("")
+    return "\n".join(lines) + "\n" + body
+
+
+# ---- mkdocs hooks -----------------------------------------------------------------------------------------
+def on_config(config, **kwargs):
+    entries = [{folder.name: f"masks/{folder.name}/index.md"} for folder in mask_folders()]
+    for i, item in enumerate(config["nav"]):
+        if isinstance(item, dict) and item.get("Published masks") == "masks.md":
+            config["nav"][i] = {"Published masks": ["masks.md", *entries]}
+    return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
+
+    for folder in mask_folders():
+        files.append(File.generated(config, f"masks/{folder.name}/index.md", content=mask_page(folder)))
+        for path in sorted(folder.iterdir()):
+            if path.suffix == ".png" or path.name == "LICENSE":
+                files.append(File.generated(config, f"masks/{folder.name}/{path.name}", abs_src_path=str(path)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files, **kwargs):
+    depth = page.file.src_uri.count("/")
+    prefix = "../" * depth
+
+    def link(name: str) -> str:
+        return f"{prefix}masks/{name}/index.md"
+
+    generators = {
+        "masks-table": lambda: masks_table(link),
+        "recipes-table": lambda: recipes_table(link),
+        "suite-table": lambda: suite_table(link),
+        "cli": cli_reference,
+    }
+
+    def replace(m: re.Match) -> str:
+        if m.group(1) not in generators:
+            raise ValueError(f"{page.file.src_uri}: unknown marker {m.group(0)}")
+        return generators[m.group(1)]()
+
+    return MARKER.sub(replace, markdown)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["masks-table"]:
+        sys.exit("usage: python docs/hooks/leank_docs.py masks-table")
+    print(masks_table(lambda name: f"hub/{name}/"))

@@ -1,0 +1,227 @@
+"""The KV cache spec of LeanK's full-channel tokens in vLLM's pool: the sink and a sliding window.
+
+A LeanK layer needs every channel of K and V for two sets of keys only: the first ``sink`` tokens
+of a request, and the window of recent tokens before each query (see :mod:`leank_infer.vllm.rule`).
+Everything else lives in the packed pages (:mod:`leank_infer.vllm.pool`). vLLM's sliding-window
+spec almost describes this window, but drops the sink; :class:`LeanKWindowSpec` is a sliding
+window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowManager`, a
+:class:`~vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager` that
+
+- never frees the sink blocks (it frees the gap between the sink and the window, as vLLM's
+  reference-sliding-window manager frees the gap after a prompt),
+- allocates real blocks only for tokens some later query reads with every channel (the sink and
+  the last ``sliding_window`` tokens of what is computed at the end of the step; a long prefill
+  chunk reads its own tokens from the step's K/V), and null blocks for the rest,
+- counts a prefix-cache hit only where the sink blocks and the window before the hit are cached.
+
+It is registered with vLLM's :class:`~vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry`, the
+interface vLLM 0.32 gives out-of-tree code for new spec types (:func:`register`). vLLM allocates,
+counts, frees, caches and preempts these blocks like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeanKWindowSpec(SlidingWindowSpec):
+    """Full-channel K/V of a request's first ``sink_len`` tokens and of its last ``sliding_window`` ones."""
+
+    sink_len: int = 0
+
+    @property
+    def sink_blocks(self) -> int:
+        return cdiv(self.sink_len, self.block_size)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Blocks a request holds at most: the sink, the window it keeps, and the window the step fills.
+
+        A step that computes ``n`` tokens after ``c`` keeps the blocks of ``[c - window + 1, c)``
+        (read by its first queries) and allocates those of ``[c + n - window + 1, c + n)`` (read by
+        the next step); the gap between them is never allocated (:class:`LeanKWindowManager`).
+        """
+        del max_in_flight_tokens
+        window = min(self.sliding_window, max_model_len)
+        return self.sink_blocks + 2 * (cdiv(window, self.block_size) + 1)
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        blocks = self.max_admission_blocks_per_request(
+            vllm_config.max_in_flight_tokens, vllm_config.model_config.max_model_len
+        )
+        return blocks * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict) -> bool:
+        return all(
+            isinstance(s, LeanKWindowSpec) and s.sliding_window == self.sliding_window and s.sink_len == self.sink_len
+            for s in kv_cache_specs.values()
+        )
+
+
+class LeanKWindowManager(SlidingWindowManager):
+    """vLLM's sliding-window manager, keeping the sink blocks and allocating only blocks that are read later."""
+
+    def __init__(self, kv_cache_spec: LeanKWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sink_blocks = kv_cache_spec.sink_blocks
+
+    # ---- which blocks hold data ----------------------------------------------------------------
+    def _real(self, index: int, num_tokens: int) -> bool:
+        """Whether block ``index`` needs storage once ``num_tokens`` tokens are computed."""
+        first_kept = max(0, num_tokens - self.sliding_window + 1) // self.block_size
+        return index < self.sink_blocks or index >= first_kept
+
+    def _num_real_new(self, have: int, num_tokens: int) -> int:
+        need = cdiv(num_tokens, self.block_size)
+        return sum(self._real(i, num_tokens) for i in range(have, need))
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free the blocks between the sink and the window (the sink stays)."""
+        del num_prompt_tokens
+        skipped = self.get_num_skipped_tokens(processed_computed_tokens) // self.block_size
+        self._remove_blocks_in_range(request_id, self.sink_blocks, skipped)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        del num_local_computed_tokens, num_tokens_main_model, prefill_end
+        if request_id in self.num_cached_block:  # a running request
+            assert len(new_computed_blocks) == 0
+            count = self._num_real_new(len(self.req_to_blocks.get(request_id, ())), num_tokens)
+        else:
+            have = max(len(new_computed_blocks), self.get_num_skipped_tokens(total_computed_tokens) // self.block_size)
+            count = self._num_real_new(have, num_tokens)
+            # cached blocks the request touches leave the free queue: count them as taken
+            count += self._get_num_evictable_blocks(
+                [b for i, b in enumerate(new_computed_blocks) if self._real(i, total_computed_tokens)]
+            )
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            count = min(count, self.max_admission_blocks_per_request)
+        return count
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
+        """Real blocks for the sink and the window that later queries read; null blocks in between."""
+        del num_tokens_main_model
+        blocks = self.req_to_blocks[request_id]
+        need = cdiv(num_tokens, self.block_size)
+        if need <= len(blocks):
+            return []
+        real = [i for i in range(len(blocks), need) if self._real(i, num_tokens)]
+        fresh = iter(self.block_pool.get_new_blocks(len(real)))
+        new = [next(fresh) if self._real(i, num_tokens) else self._null_block for i in range(len(blocks), need)]
+        blocks.extend(new)
+        allocated = [b for b in new if not b.is_null]
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in allocated)
+        return allocated
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Any],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """A prefix-cache hit: keep its sink blocks and its window, nulls in between."""
+        blocks = self.req_to_blocks[request_id]
+        assert len(blocks) == 0
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.get_num_skipped_tokens(total) // self.block_size
+        kept = [
+            b if (i < self.sink_blocks or i >= skipped) else self._null_block for i, b in enumerate(new_computed_blocks)
+        ]
+        kept += [self._null_block] * max(0, skipped - len(kept))
+        if self.enable_caching:
+            self.block_pool.touch([b for b in kept if not b.is_null])
+        blocks.extend(kept)
+        self.num_cached_block[request_id] = len(blocks)
+
+    # ---- prefix-cache hits ---------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Any,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: Any,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Any], ...], int]:
+        """The sliding-window hit, valid only where the sink blocks are cached too (else the longest hit
+        made of cached blocks from the start, which holds the sink by itself)."""
+        from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+        assert isinstance(kv_cache_spec, LeanKWindowSpec)
+        computed, hit = SlidingWindowManager.find_longest_cache_hit.__func__(
+            cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+            drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
+        )  # fmt: skip
+        bs = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(
+            block_hashes,
+            block_pool.hash_block_size,
+            bs,
+            supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        n = len(computed[0])
+        for i in range(min(kv_cache_spec.sink_blocks, n)):
+            if not computed[0][i].is_null:
+                continue
+            cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if cached is None:  # the sink is gone: only a hit inside the blocks cached from the start
+                keep = i
+                while keep and (keep * bs) % alignment_tokens:
+                    keep -= 1
+                for c in computed:
+                    del c[keep:]
+                return computed, keep * bs
+            for c, block in zip(computed, cached, strict=True):
+                c[i] = block
+        return computed, hit
+
+    @classmethod
+    def reachable_block_mask(cls, *args: Any, **kwargs: Any) -> list[bool] | None:
+        """vLLM's sparse retention of window blocks, and every sink block."""
+        mask = SlidingWindowManager.reachable_block_mask.__func__(cls, *args, **kwargs)
+        if mask is None:
+            return None
+        start = kwargs.get("start_block", args[0] if args else 0)
+        spec = kwargs.get("kv_cache_spec", args[3] if len(args) > 3 else None)
+        for i in range(start, min(start + len(mask), spec.sink_blocks)):
+            mask[i - start] = True
+        return mask
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the spec and its manager with vLLM (built-in specs first, so vLLM's own are not skipped)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()  # registration of vLLM's own specs runs once, on an empty registry
+    KVCacheSpecRegistry.register(LeanKWindowSpec, LeanKWindowManager, uniform_type_base_spec=LeanKWindowSpec)
+    _registered = True
