@@ -101,7 +101,8 @@ sweep: $(STAMP)
 # Mutation testing (not in CI: slow): mutmut breaks the core modules one change at a time and runs the tests
 # that cover each change; one pass per module, each with its own narrow tests ([tool.leank-mutants.*] in
 # pyproject.toml), in mutants/<pass>/. Prints killed/timeout/survived/no-tests per pass and the survivors.
-# MODULE runs some passes only: make mutants MODULE=rule (rule loss export eval binarize cache).
+# MODULE runs some passes only: make mutants MODULE=rule (rule loss export eval binarize cache evalstats tasks
+# import capacity); `python tests/mutation_passes.py PASS --only GLOB` runs a part of one pass.
 # After a test change, `python tests/mutation_passes.py --survivors PASS` reruns only that pass's survivors.
 MODULE ?=
 mutants: $(STAMP)

@@ -7,6 +7,9 @@ random and ThinK channels at its K budget (``random-r70``, ``think-r70``), so al
 the full model on the same probes. Prints the suite table (``leank_train.evaluation.report``), and the
 time taken. ``--card`` rewrites each mask's model card with its own rows (the full model, the mask as
 ``leank``, and the baselines at its budget as ``random`` and ``think``), this command next to them.
+``--rules dense-prefill positional`` answers with each mask (and baseline) under each LeanK rule on the same
+probes: the first rule's methods keep the names above, the others' get the rule as a suffix
+(``leank-r70-positional``); the cards take the first rule's.
 ``--from-json F --card`` writes the cards from a run saved with ``--json F`` (same masks, same order), next to
 the command that measured them, without answering again.
 
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 from leank_infer import ChannelMask, LeanKModel
+from leank_infer.decode.rule import DENSE_PREFILL, RULES
 from leank_infer.hub.card import write_model_card
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES))
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rules", nargs="+", choices=RULES, default=[DENSE_PREFILL],
+                   help="LeanK rules to answer with (each mask and baseline once per rule)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
     p.add_argument("--from-json", type=Path, default=None,
@@ -61,9 +67,12 @@ def main(argv: list[str] | None = None) -> None:
             n += 1
             tag = f"{base}-{n}"
         tags.append(tag)
-        methods.append(Learned(f"leank-{tag}", mask))
-        if not args.no_baselines:
-            methods += [RandomChannels(f"random-{tag}", like=mask), ThinK(f"think-{tag}", like=mask)]
+        for i, rule in enumerate(args.rules):
+            suffix = "" if i == 0 else f"-{rule}"
+            methods.append(Learned(f"leank-{tag}{suffix}", mask, rule=rule))
+            if not args.no_baselines:
+                methods += [RandomChannels(f"random-{tag}{suffix}", like=mask, rule=rule),
+                            ThinK(f"think-{tag}{suffix}", like=mask, rule=rule)]
     if args.from_json:
         res = json.loads(args.from_json.read_text())
         measured = p.parse_args(shlex.split(res["command"])[2:]).masks

@@ -6,6 +6,8 @@ the Triton kernel, on CPU the PyTorch path); a stopping criterion timestamps eve
 decode step latency is the median gap between consecutive steps. The prompt is prefilled once per
 context (batch 1, dense: LeanK's prefill attention is dense too) and every run decodes from a copy
 of its K/V, the row repeated to the batch; the LeanK cache takes it through its own prefill update.
+Under ``--rule positional`` the prompt attends by the mask too: the LeanK cache is prefilled through the
+LeanK model (batch 1, then its row repeated), and decodes from the dense prefill's next token as well.
 Example:
 
     leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
@@ -24,8 +26,9 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError
+from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError, output_file, staged
 from .decode.cache import dynamic_cache_bytes, fill_from_prefill
+from .decode.rule import DENSE_PREFILL, POSITIONAL, RULES
 from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
@@ -108,6 +111,50 @@ def filled(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
                                  [v.expand(batch, -1, -1, -1).contiguous() for _, v in kv])
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a run on ``device`` may still take: the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(mask: ChannelMask, contexts: list[int], batches: list[int], new_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Refuse a configuration whose dense K/V cache alone exceeds the free memory (``--batches 100000``), before
+    anything is allocated: one line, not an allocator error after the first runs."""
+    free = free_bytes(device)
+    per_token = mask.kv_bytes_per_token(dtype)["dense"]
+    worst = max(contexts) + new_tokens
+    need = max(batches) * worst * per_token
+    if free is not None and need > free:
+        raise UsageError(
+            f"--batches {max(batches):,} x --contexts {max(contexts):,} (+{new_tokens} new tokens) needs "
+            f"{need / 2**30:,.1f} GiB of dense K/V cache, more than the {free / 2**30:,.1f} GiB free on {device}"
+        )
+
+
+def leank_filled(lk: LeanKModel, prompt: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
+    """A fresh LeanK cache after ``prompt``'s prefill (batch 1), its row repeated ``batch`` times: filled from the
+    dense prefill's ``kv`` under the dense-prefill rule, prefilled through the LeanK model under the positional one."""
+    if lk.rule != POSITIONAL:
+        return filled(lk.new_cache(), kv, batch)
+    cache = lk.new_cache()
+    with torch.inference_mode():
+        lk(prompt, cache=cache, logits_to_keep=1)
+    cache.batch_repeat_interleave(batch)
+    return cache
+
+
 def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wall") -> dict[str, float]:
     clock = _StepClock(clock_name)
     t0 = clock.now()
@@ -133,7 +180,7 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wa
 def bench(
     mask: str | None = None,
     *,
-    contexts: PositiveIntList = [2048, 4096, 8192],  # noqa: B006 (read only; shown in --help)
+    contexts: PositiveIntList = [2048, 4096, 8160],  # noqa: B006 (read only; shown in --help; 8160 + 32 new = 8192)
     batches: PositiveIntList = [1, 4],  # noqa: B006
     new_tokens: PositiveInt = 32,
     dtype: Literal["float32", "bfloat16", "float16"] | None = None,
@@ -142,6 +189,7 @@ def bench(
     repeats: PositiveInt = 1,
     clock: Literal["wall", "cpu"] = "wall",
     dense_until: int = 0,
+    rule: Literal[RULES] = DENSE_PREFILL,
     estimate: str | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -165,6 +213,8 @@ def bench(
             CPU; with more than one thread it also counts OpenMP's spin-waiting).
         dense_until: LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until;
             0 = off, the default): the short-context switch, measured against plain dense.
+        rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
+            by its position alone, as the vLLM plugin decodes; no --dense-until).
         estimate: only print KV bytes/token dense vs LeanK for this model's config (no weights).
         plot: also draw decode time vs context to this PNG.
         card: with --plot and a mask folder: put the figure (and this command) in the mask's model card.
@@ -177,6 +227,8 @@ def bench(
     from .cli import invocation
 
     command = invocation("leank bench", bench, dict(locals()))
+    if plot:  # a bad path fails now, not after the whole run; inside a mask folder only when --card takes it in
+        plot = output_file(plot, "--plot", ".png", carded=[mask] if card and mask else ())
     if capacity:
         from .mask.capacity import capacity_main
 
@@ -189,6 +241,8 @@ def bench(
         torch_device = torch.device(device)
     except RuntimeError:
         raise UsageError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if torch_device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: leank bench measures on cpu or cuda, not {device!r}")
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: CUDA is not available on this machine")
     device = torch_device
@@ -197,6 +251,9 @@ def bench(
         return estimate_main(estimate, ratio, zero_heads, torch_dtype)
     if dense_until < 0:
         raise UsageError(f"--dense-until: must be >= 0 tokens, got {dense_until}")
+    if dense_until and rule == POSITIONAL:
+        raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {POSITIONAL} (every query, the "
+                         f"prompt's included, follows the rule): drop --dense-until, or use --rule {DENSE_PREFILL}")
     if threads:
         torch.set_num_threads(threads)
     new_tokens = max(3, new_tokens)
@@ -209,7 +266,9 @@ def bench(
         model, _ = load_base_model("embedded", dtype=dtype)
         scores = torch.rand(*model_shape(model.config), generator=torch.Generator().manual_seed(0))
         mask = ChannelMask.from_scores(scores, 0.7, 16, sink_size=16, recent_size=64, accumu_size=16)
+        check_memory(mask, contexts, batches, new_tokens, dtype, device)
     else:
+        check_memory(mask, contexts, batches, new_tokens, dtype, device)  # before the model loads
         model, _ = load_mask_base_model(mask, dtype=dtype)
     limit = model_positions(model.config)
     if limit is not None and max(contexts) + new_tokens > limit:
@@ -225,8 +284,9 @@ def bench(
         + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
     print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
-          + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else ""))
-    lk = LeanKModel(model, mask, dense_until=dense_until)
+          + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else "")
+          + (f"; rule {rule}" if rule != DENSE_PREFILL else ""))
+    lk = LeanKModel(model, mask, dense_until=dense_until, rule=rule)
     header = (
         f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
         f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8} {'alloc ratio':>11}"
@@ -255,7 +315,7 @@ def bench(
                 del dense_cache
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                leank_cache = filled(lk.new_cache(), kv, batch)
+                leank_cache = leank_filled(lk, prompt.to(device), kv, batch)
                 run = _run(model, ids, leank_cache, new_tokens, clock)
                 peaks["leank"] = _peak(device)
                 leank = run if leank is None or run["step_ms"] < leank["step_ms"] else leank
@@ -274,12 +334,13 @@ def bench(
     if plot:
         from .hub.plots import plot_decode_time
 
-        plot_decode_time(rows, plot, command)
-        print(f"plot: {plot}")
-        if card and mask_path and Path(mask_path).is_dir():
-            from .hub.card import write_model_card
+        with staged(plot) as draw_to:  # drawn beside the card's folder, copied in by its swap
+            plot_decode_time(rows, draw_to, command)
+            if card and mask_path and Path(mask_path).is_dir():
+                from .hub.card import write_model_card
 
-            write_model_card(mask_path, figures={plot.name: command}, figure_files=[plot])
+                write_model_card(mask_path, figures={plot.name: command}, figure_files=[draw_to])
+        print(f"plot: {plot}")
     print(
         "speedup = dense ms/step / LeanK ms/step (median decode step, prefill excluded); KV ratio = LeanK/dense bytes "
         "held; alloc ratio = LeanK storage reserved (its preallocated spare slots included) / dense"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 import sys
 import typing
@@ -189,10 +190,13 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     hints = typing.get_type_hints(func)
     recipe = next((p for p in params.values() if dataclasses.is_dataclass(hints[p.name])), None)
     if recipe is not None and argv and not argv[0].startswith("-"):
-        from .cli_types import yaml_mapping_file
+        from .cli_types import check_config_files
 
-        yaml_mapping_file(argv[0])  # a missing, binary or non-mapping file: one clear error naming it
+        check_config_files(argv[0])  # a missing, binary, FIFO or non-mapping file: one clear error naming it
         argv = ["--config", argv[0], *argv[1:]]
+        check_config_args(argv[2:])
+    elif recipe is not None:
+        check_config_args(argv)
     parser = command_parser(func, prog)
     try:
         cfg = parser.parse_args(argv)
@@ -206,12 +210,26 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     return kwargs
 
 
+def check_config_args(argv: Sequence[str]) -> None:
+    """Check every ``--config FILE`` of ``argv`` and the files it includes before jsonargparse opens them: a missing,
+    binary, FIFO, huge, alias-bomb or non-mapping file is one clear error naming it (and never quoting it)."""
+    from .cli_types import check_config_files
+
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--config=") else argv[i + 1] if (
+            arg == "--config" and i + 1 < len(argv)) else None
+        if value is not None and "\n" not in value and os.path.lexists(value):  # else inline YAML, or missing
+            check_config_files(value)
+
+
 def _input_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input (printed as one line), not a bug (which keeps its traceback)."""
+    from .decode.backend import BackendError
+    from .folders.cache_root import CacheRootError
     from .mask import MaskError
     from .model.loading import BaseModelError
 
-    errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError]
+    errors: list[type[BaseException]] = [UsageError, MaskError, BaseModelError, BackendError, CacheRootError]
     if "leank_train" in sys.modules:  # a training command ran (or tried to)
         try:
             from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -230,7 +248,10 @@ def error_line(prog: str, e: BaseException) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (f"{prog}: error: a checkpoint holds more than tensors and plain data and was not loaded "
                 f"(torch refuses to unpickle it: {first}); delete it to start the stage afresh")
-    return f"{prog}: error: {' '.join(str(e).split())}"
+    text = " ".join(str(e).split())
+    # a message may quote a stranger's text (a mask's base_model, a file name): never send escapes to the terminal
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return f"{prog}: error: {text}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from .cli_types import PositiveInt, UsageError, check_text
+from .decode.rule import DENSE_PREFILL, RULES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +46,7 @@ def generate(
     revision: str | None = None,
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     width: PositiveInt = 100,
+    rule: Literal[RULES] = DENSE_PREFILL,
 ) -> int:
     """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
 
@@ -56,6 +58,8 @@ def generate(
         revision: mask repo revision (Hub).
         dtype: dtype of the base model.
         width: total width of the side-by-side output.
+        rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
+            by its position alone, the prompt's too, as the vLLM plugin decodes).
     """
     check_text("--prompt", prompt)
     if not prompt.strip():
@@ -67,7 +71,7 @@ def generate(
     from .model.generation import CACHE_KWARG
     from .model.leank_model import LeanKModel
 
-    lk = LeanKModel.from_pretrained(mask, revision=revision, dtype=DTYPES[dtype])
+    lk = LeanKModel.from_pretrained(mask, revision=revision, dtype=DTYPES[dtype], rule=rule)
     tok = lk.tokenizer
     if tok is None:
         raise UsageError("the base model has no tokenizer")
@@ -104,7 +108,7 @@ def generate(
     print(
         f"mask {mask}: K kept {s['k_kept_fraction']:.1%}, V kept {s['v_kept_fraction']:.1%}, "
         f"sink {lk.mask.sink_size} / recent {lk.mask.recent_size} / accumu {lk.mask.accumu_size}; "
-        f"prompt {n} tokens"
+        f"rule {rule}; prompt {n} tokens"
     )
     dense_bytes = results[0][2]
     cols = []

@@ -20,12 +20,14 @@ import hashlib
 import math
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .mask import ChannelMask, MaskError, check_mask_target, write_mask_folder
+from .mask.format import MAX_MASK_BYTES
 
 REFERENCE_REPO = "https://github.com/microsoft/MInference"
 REFERENCE_COMMIT = "fb56c917f618e8645f1cfc37535afd7424d78f0d"
@@ -91,8 +93,9 @@ def read_reference_mask(path: str | os.PathLike) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise ReferenceMaskError(f"{path}: no such file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+    check_archive(path)
+    try:  # mmap: a storage is mapped from the file (bounded just above), never decompressed or copied whole
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - the weights-only unpickler raises many kinds; each means "refused"
         text = " ".join(str(e).split())[:300]
         raise ReferenceMaskError(
@@ -104,8 +107,13 @@ def read_reference_mask(path: str | os.PathLike) -> torch.Tensor:
             f"{path} holds a {type(obj).__name__}, not a single tensor [layers, kv_heads, head_dim]"
         )
     t = obj.detach()
+    if t.layout != torch.strided or t.device.type != "cpu":
+        raise ReferenceMaskError(f"{path}: expected a dense tensor, got a {t.layout} tensor on {t.device.type} "
+                                 "(sparse and meta tensors hold no mask)")
     if t.ndim != 3 or min(t.shape) < 1:
         raise ReferenceMaskError(f"{path}: expected a tensor [layers, kv_heads, head_dim], got shape {tuple(t.shape)}")
+    if t.numel() > MAX_MASK_BYTES:  # e.g. a stride-0 view: 1.6 KB on disk, 2e9 elements once compared
+        raise ReferenceMaskError(f"{path}: the tensor has {t.numel():,} elements; a mask has at most {MAX_MASK_BYTES:,}")
     if t.is_complex() or not (t.is_floating_point() or t.dtype in (torch.bool, torch.uint8, torch.int8,
                                                                      torch.int16, torch.int32, torch.int64)):
         raise ReferenceMaskError(f"{path}: expected a real-valued 0/1 tensor, got dtype {t.dtype}")
@@ -113,6 +121,33 @@ def read_reference_mask(path: str | os.PathLike) -> torch.Tensor:
         bad = t[(t != 0) & (t != 1)].flatten()[:3].tolist()
         raise ReferenceMaskError(f"{path}: a keep mask holds only 0 and 1, found e.g. {bad}")
     return t.bool().contiguous()
+
+
+def check_archive(path: Path) -> None:
+    """Refuse a ``.pth`` whose sizes could make loading it allocate more than a mask ever needs: the file
+    bounded like ``mask.safetensors``, a ``torch.save`` zip archive (the legacy format declares storage
+    sizes the loader allocates before reading), its entries stored as ``torch.save`` writes them (a
+    compressed entry could inflate a 2 MB file to gigabytes), their total size bounded too."""
+    size = path.stat().st_size
+    if size > MAX_MASK_BYTES:
+        raise ReferenceMaskError(f"{path} is {size:,} bytes; a mask file is at most {MAX_MASK_BYTES:,}")
+    if not zipfile.is_zipfile(path):
+        raise ReferenceMaskError(
+            f"{path} cannot be read with PyTorch's weights-only loader: it is not a torch.save zip archive "
+            "(the legacy format is not read)"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise ReferenceMaskError(f"{path} is a damaged zip archive: {e}") from None
+    packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise ReferenceMaskError(f"{path}: entry {packed[0]} is compressed; torch.save stores its entries as they "
+                                 "are, and a compressed one could inflate without bound")
+    total = sum(e.file_size for e in entries)
+    if total > MAX_MASK_BYTES:
+        raise ReferenceMaskError(f"{path}: its entries hold {total:,} bytes; a mask file is at most {MAX_MASK_BYTES:,}")
 
 
 def derived_align(keep: torch.Tensor) -> int:
@@ -194,12 +229,12 @@ def import_reference_mask(
     }
     mask = reference_mask(keep, base_model, source, known.get("base_model_parameters"))
 
-    def write(folder: Path) -> None:
-        from .hub.card import write_model_card
+    def write(folder: Path) -> None:  # straight into the fresh folder (no nested folder swap inside it)
+        from .hub.card import write_card_files
 
-        mask.save_pretrained(folder)
+        mask.write_files(folder)
         shutil.copyfile(lic, folder / "LICENSE")
-        write_model_card(folder, repo=repo or str(out_dir))
+        write_card_files(folder, repo=repo or str(out_dir))
 
     write_mask_folder(out, write)
     return mask

@@ -18,7 +18,9 @@ from types import SimpleNamespace
 from typing import Literal
 
 from leank_infer import ChannelMask
-from leank_infer.cli_types import PositiveInt
+from leank_infer.cli_types import PositiveInt, output_file, staged
+from leank_infer.decode.rule import DENSE_PREFILL, RULES
+from leank_infer.folders.atomic import write_file
 from leank_infer.hub.card import write_model_card
 
 from .errors import RecipeError
@@ -52,6 +54,7 @@ def eval_command(
     methods: list[Literal[METHODS]] = list(METHODS),  # noqa: B006
     seed: int = 1234,
     kl: bool = True,
+    rule: Literal[RULES] = DENSE_PREFILL,
     json: Path | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -69,6 +72,8 @@ def eval_command(
         methods: full model, the learned mask, a random mask, ThinK at the same K budget.
         seed: seed of the probes.
         kl: measure the next-token KL(full || LeanK) on held-out text (--no_kl skips it).
+        rule: the LeanK rule the masks decode by: dense-prefill (the prompt attends with every channel) or
+            positional (every query by its position alone, the prompt's too, as the vLLM plugin decodes).
         json: write results (with every answer) to this file.
         plot: draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep.
         card: rewrite the mask folder's model card with these results (and the plot, if drawn).
@@ -78,11 +83,26 @@ def eval_command(
     cmd = invocation("leank eval", eval_command, dict(locals()))
     args = SimpleNamespace(mask=mask, revision=revision, lengths=lengths, samples=samples, tasks=tasks,
                               kinds=kinds, quick=quick, methods=methods, seed=seed, no_kl=not kl, json=json,
-                              plot=plot, card=card)
+                              plot=plot, card=card, rule=rule)
     return _eval(args, cmd)
 
 
 def _eval(args: SimpleNamespace, cmd: str) -> int:
+    if args.json:  # checked before the run: a bad path fails now, not after it; never inside a mask folder
+        args.json = output_file(args.json, "--json")
+    if args.card:  # a damaged eval.json would fail the card update after the whole run: now, not then
+        from leank_infer.hub.card import read_eval_record
+
+        for path in args.mask:
+            if Path(path).is_dir():
+                read_eval_record(path)
+    if args.plot:  # inside a mask folder only when --card takes it in (drawn elsewhere, copied by the swap)
+        args.plot = output_file(args.plot, "--plot", ".png", carded=args.mask if args.card else ())
+    with staged(args.plot) as draw_to:
+        return _evaluate(args, cmd, draw_to)
+
+
+def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
     from leank_infer import LeanKModel
     from leank_infer.hub.plots import plot_accuracy, plot_ratio_sweep
     from leank_infer.mask import model_positions
@@ -91,7 +111,7 @@ def _eval(args: SimpleNamespace, cmd: str) -> int:
         args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
     tasks = None if args.kinds else args.tasks
     kinds = args.kinds or KINDS
-    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision)
+    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision, rule=args.rule)
     limit = model_positions(lm.model.config)
     # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
     new = 0 if tasks is not None else inspect.signature(evaluate).parameters["max_new_tokens"].default
@@ -114,29 +134,29 @@ def _eval(args: SimpleNamespace, cmd: str) -> int:
         res = ratio_sweep(lm, masks, args.lengths, args.samples, kinds, args.seed, tasks=tasks)
         table = format_sweep(res)
         if args.plot:
-            plot_ratio_sweep(res, args.plot, cmd)
+            plot_ratio_sweep(res, draw_to, cmd)
     else:
         res = evaluate(lm, args.lengths, args.samples, kinds, args.methods, args.seed, kl=not args.no_kl, tasks=tasks)
         table = format_table(res)
         if args.plot:
-            plot_accuracy(res, args.plot, cmd)
+            plot_accuracy(res, draw_to, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[args.plot] if args.plot else ())
+            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[draw_to] if args.plot else ())
     if args.card and len(args.mask) > 1:
-        from leank_infer.hub.card import EVAL_FILE
+        from leank_infer.hub.card import read_eval_record
 
         for path, row in zip(args.mask, res["masks"], strict=True):
             figures = {args.plot.name: cmd} if args.plot else {}
             # a card keeps the rows it has (e.g. a single-mask eval with baselines); one without gets the sweep's
             rows = None
-            if not (Path(path) / EVAL_FILE).is_file() or "results" not in json.loads((Path(path) / EVAL_FILE).read_text()):
+            if "results" not in read_eval_record(path):
                 rows = card_results({"accuracy": {"full": res["full"], "leank": row["accuracy"]}}, cmd)
                 if "tasks" in row:
                     rows = card_results({**row, "methods": ["full", "leank"]}, cmd)
-            write_model_card(path, rows, figures=figures, figure_files=[args.plot] if args.plot else ())
+            write_model_card(path, rows, figures=figures, figure_files=[draw_to] if args.plot else ())
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"command": cmd, **res}, indent=2))
+        write_file(args.json, json.dumps({"command": cmd, "rule": args.rule, **res}, indent=2))
     return 0

@@ -138,7 +138,17 @@ def memory(
         fsdp: ranks sharding the frozen weights.
     """
     cfg = load_config(model)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    fits = [w for w in sp if kv_heads % w == 0]  # sequence parallelism splits the KV heads between ranks
+    if not fits:
+        raise UsageError(f"--sp: none of {', '.join(map(str, sp))} divides the model's {kv_heads} KV heads "
+                         "(sequence parallelism splits the KV heads between ranks)")
     print(f"{model}: {count_params(cfg) / 1e9:.2f} B params, bf16, context {context}, answer {answer}")
+    if len(fits) < len(sp):
+        print(f"(--sp {', '.join(str(w) for w in sp if w not in fits)} left out: the model has {kv_heads} KV heads, "
+              "which sequence parallelism splits between the ranks)")
+    sp = fits
     print("| SP ranks | act. ckpt | K/V B/token/layer | weights GiB | context K/V GiB | teacher GiB | student GiB | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for w in sp:

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
-from leank_infer.mask import MASK_FILE, ChannelMask, MaskError
+from leank_infer.mask import MASK_FILE, ChannelMask, MaskError, check_mask_target
 
 from .cli import run_cli
 from .compare import MaskSnapshot, format_comparison, read_reference
@@ -42,6 +42,7 @@ from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
 from .export import ExportMask
 from .recipe import Recipe, stage_config
+from .recipe_checks import check_recipe
 
 # settings that change neither the data, the steps nor the learned alpha: leaving them out of the
 # fingerprint lets a rerun with another logger, progress bar, evaluation or output folder still resume
@@ -124,6 +125,10 @@ def run_stage(
         return export_dir, cfg
     last = sorted(ckpt_dir.glob("last*.ckpt"))
     if last:
+        damage = checkpoint_damage(last[-1])
+        if damage:
+            raise RecipeError(f"checkpoint {last[-1]} is damaged ({damage}); delete it to run stage {stage} afresh "
+                              "(or from an earlier checkpoint)")
         print(f"[leank run] stage {stage} resumes from {last[-1]}", flush=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
@@ -140,6 +145,23 @@ def run_stage(
         _write_json(finished, {"export": export_dir, "fingerprint": fingerprint,
                                "steps": int(cli.trainer.global_step)})
     return out, cfg
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed from, checked without loading it (None when it looks whole):
+    torch.save writes a zip archive, and a run killed while writing leaves one cut short, which torch's
+    reader only reports as a raw error on every rerun. Nothing is unpickled here."""
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return None  # not a zip: torch's weights-only loader decides (and refuses more than tensors)
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"not a whole zip archive: {e}"
+    return f"entry {bad} fails its CRC check" if bad else None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -182,6 +204,10 @@ def run(recipe: Recipe, *, stage: Literal[1, 2] | None = None, quick: bool = Fal
 
 
 def _run(recipe: Recipe, stages: tuple[int, ...] = (1, 2)) -> int:
+    # every value, and both export folders, refused before anything loads or trains (not after a stage trained)
+    check_recipe(recipe)
+    for folder in [recipe.scores_dir] * (1 in stages) + [recipe.output_dir] * (2 in stages):
+        check_mask_target(folder)
     start = time.perf_counter()
     references: dict[str, MaskSnapshot] = {}
 

@@ -12,6 +12,7 @@ repo, unless ``mask_dir``), ``checkpoints/stageN/<fingerprint>/``, ``csv/`` and 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -125,6 +126,13 @@ class Recipe:
     evaluate: EvalSettings = field(default_factory=EvalSettings)
     push_to_hub: str | None = None
     compare_to: str | None = None
+
+    def __post_init__(self) -> None:
+        # a shell expands ~ only at the start of a word: a recipe's "~/runs/x" would otherwise make a folder named ~
+        for name in ("out_dir", "stage1_dir", "mask_dir", "compare_to", "base_model", "adapter"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, name, os.path.expanduser(value))
 
     @property
     def scores_dir(self) -> str:

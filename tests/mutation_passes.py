@@ -12,7 +12,8 @@ mutmut's own output goes to ``mutants/<pass>/mutmut.log``. Prints one line per p
 Run: ``python tests/mutation_passes.py [PASS ...]`` (default: every pass), or ``make mutants [MODULE=rule]``;
 ``--report`` only reads the folders again (a pass stopped part way counts its unrun mutants as not run);
 ``--survivors`` reruns, on the tests as they are now, only the survivors of each pass's last run (the
-"after" of a test change: the mutants killed before stay killed, the survivors are tried again).
+"after" of a test change: the mutants killed before stay killed, the survivors are tried again);
+``PASS --only GLOB[,GLOB]`` runs only the mutants of one pass whose names match (a quick try of a pass).
 Not a test module (not collected by pytest).
 """
 
@@ -82,8 +83,9 @@ def _env() -> dict:
     return env
 
 
-def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
+def run_pass(name: str, pyproject: dict, max_children: int = 1, only: list[str] | None = None) -> dict:
     mutmut, names = pass_config(pyproject, name)
+    names = only or names  # --only: a part of the pass (e.g. one function's mutants), to try a pass quickly
     folder = ROOT / "mutants" / name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -100,7 +102,7 @@ def run_pass(name: str, pyproject: dict, max_children: int = 1) -> dict:
     with open(folder / "mutmut.log", "w") as log:
         run = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *names],
                              cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return summarize(name, pyproject, env, run.returncode, round((time.monotonic() - start) / 60, 1))
+    return summarize(name, pyproject, env, run.returncode, round((time.monotonic() - start) / 60, 1), only)
 
 
 def rerun_survivors(name: str, pyproject: dict, max_children: int = 1) -> dict:
@@ -128,10 +130,11 @@ def rerun_survivors(name: str, pyproject: dict, max_children: int = 1) -> dict:
 
 
 def summarize(name: str, pyproject: dict, env: dict | None = None, exit_code: int | None = None,
-              minutes: float | None = None) -> dict:
+              minutes: float | None = None, only: list[str] | None = None) -> dict:
     """Counts and survivors of pass ``name`` from its folder (also of a pass stopped part way:
-    its unrun mutants count as "not checked")."""
+    its unrun mutants count as "not checked"); ``only``: the mutant-name globs a partial run was given."""
     mutmut, names = pass_config(pyproject, name)
+    names = only or names
     folder = ROOT / "mutants" / name
     if minutes is None and (folder / "summary.json").is_file():  # --report: keep the run's own time
         earlier = json.loads((folder / "summary.json").read_text())
@@ -158,6 +161,11 @@ def main(argv: list[str]) -> int:
     passes = list(pyproject["tool"]["leank-mutants"])
     report = "--report" in argv  # only read what earlier (maybe stopped) passes left in mutants/<pass>/
     survivors = "--survivors" in argv  # rerun only what an earlier complete pass left alive
+    only = None  # --only GLOB[,GLOB]: run these mutants of the pass only (a quick try of a pass)
+    if "--only" in argv:
+        i = argv.index("--only")
+        only = argv[i + 1].split(",") if i + 1 < len(argv) else []
+        argv = argv[:i] + argv[i + 2:]
     argv = [a for a in argv if a not in ("--report", "--survivors")]
     chosen = argv or passes
     unknown = [p for p in chosen if p not in passes]
@@ -167,8 +175,12 @@ def main(argv: list[str]) -> int:
     if report or survivors:
         chosen = [p for p in chosen if (ROOT / "mutants" / p / "summary.json" if survivors else
                                         ROOT / "mutants" / p / "mutants").exists()]
+    if only is not None and (survivors or report or len(chosen) != 1 or not only):
+        print("--only GLOB[,GLOB] takes one pass, and neither --report nor --survivors", file=sys.stderr)
+        return 2
     run = rerun_survivors if survivors else run_pass
-    rows = [summarize(p, pyproject) if report else run(p, pyproject) for p in chosen]
+    rows = [summarize(p, pyproject) if report else run_pass(p, pyproject, only=only) if only else run(p, pyproject)
+            for p in chosen]
     print("\n| pass | mutants | killed | timeout | survived | no tests | not run | other | minutes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

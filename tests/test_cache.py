@@ -54,11 +54,13 @@ class _Run:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         dense_until: int = 0,
+        rule: str = "dense-prefill",
     ):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
         self.keep = keep
-        self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU, dense_until=dense_until)
+        self.rule = rule
+        self.layer = LeanKLayer(keep, SINK, RECENT, ACCUMU, dense_until=dense_until, rule=rule)
         t0 = max(lengths)
         self.pad = torch.zeros(len(lengths), t0, dtype=torch.bool)
         for b, n in enumerate(lengths):
@@ -73,8 +75,9 @@ class _Run:
         r = lambda h: torch.randn(b, h, q_len, D, generator=self.gen).to(self.dtype)  # noqa: E731
         return r(HKV * GROUPS), r(HKV), r(HKV)
 
-    def step(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of ``q_len`` new tokens; returns (LeanK output, the 4D mask the model would build)."""
+    def step(self, q_len: int, two_d: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``q_len`` new tokens; returns (LeanK output, the 4D mask the model would build;
+        ``two_d``: the attention gets the 2-D padding mask itself instead)."""
         q, k, v = self._rand(q_len)
         past = 0 if self.k is None else self.k.shape[2]
         if past:
@@ -96,15 +99,23 @@ class _Run:
         kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}  # as generate() numbers them
         kk, vv = self.layer.update(k, v, kwargs=kwargs)
         assert kwargs["leank_layer"] is self.layer
-        out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=D**-0.5, **kwargs)
+        given = self.pad[:, : past + q_len] if two_d else mask
+        out, _ = leank_attention_forward(_Attn(), q, kk, vv, given, scaling=D**-0.5, **kwargs)
         self.q = q
         return out, mask
 
     def reference(self, upcast: bool = False, dense: bool = False) -> torch.Tensor:
         """The dense LeanK rule per new query, its full recent part from the documented schedule
-        (``dense``: every channel of every key, i.e. the model's own attention)."""
+        (``dense``: every channel of every key, i.e. the model's own attention); under the positional rule,
+        ``leank_attention(accumu_size=ACCUMU)`` over every key so far."""
         total, q_len = self.k.shape[2], self.q.shape[2]
         cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+        if self.rule == "positional":
+            return leank_attention(
+                cast(self.q), cast(self.k), cast(self.v), self.keep.float(), torch.arange(total - q_len, total),
+                SINK, RECENT, D**-0.5, key_start=self.starts, key_padding_mask=self.pad, skip_zero_heads=True,
+                accumu_size=ACCUMU,
+            )
         outs = []
         for i in range(q_len):
             p = total - q_len + i
@@ -413,3 +424,119 @@ def test_an_accumulation_of_one_token_rolls_one_key_per_step(monkeypatch):
     k = torch.randn(2, HKV, 12, D)
     got_k, got_v = layer.update(k, k)
     assert got_k is k and layer.starts.tolist() == [0, 0] and layer.length == 12
+
+
+# ---- issue #31 items 11-13 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("two_d", [False, True], ids=["4d-mask", "2d-mask"])
+def test_a_padding_mask_with_holes_in_the_middle_is_followed(two_d):
+    """Item 12: a mask that hides keys in the middle (not only left padding) hides them at decode too, as in
+    the rule with the same mask (dropping the middle's visibility changed the output by 0.34)."""
+    run = _Run(_keep(), [30, 24])
+    run.step(30)
+    assert run.layer.mid_len > 10
+    run.pad[:, 10:14] = False  # holes in both rows' middle, and one more in row 1's
+    run.pad[1, 18] = False
+    for q_len in [1, 1, 1, 2, 1]:
+        out, _ = run.step(q_len, two_d=two_d)
+        assert _rel_err(out, run.reference()) < 1e-5
+    plain = _Run(_keep(), [30, 24])  # the holes matter: without them the output differs
+    plain.step(30)
+    for q_len in [1, 1, 1, 2, 1]:
+        plain_out, _ = plain.step(q_len)
+    assert _rel_err(plain_out, out) > 1e-2
+
+
+def test_row_starts_from_the_hint_follow_expanded_rows():
+    """Item 11: transformers < 5.20 gives the prefill no position_ids; generate's cache hook hints each prompt's
+    start, and generate expands rows after (beams, num_return_sequences): each expanded row keeps its own
+    prompt's start ([0, 0, 5, 5] for starts [0, 5] expanded 2x, not [0, 5, 0, 5]). Tested on the layer, so it
+    runs on every transformers version."""
+    keep = _keep()
+    mask = ChannelMask(keep=keep.unsqueeze(0), sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, ratio=0.5,
+                       align=4)
+    cache = LeanKCache(mask)
+    cache.prefill_starts = torch.tensor([0, 5])
+    k, v = torch.randn(4, HKV, 20, D), torch.randn(4, HKV, 20, D)
+    cache.update(k, v, 0)  # no position_ids, as transformers < 5.20 calls it
+    layer = cache.layers[0]
+    assert layer.starts.tolist() == [0, 0, 5, 5]
+    assert layer.head_len == 5 + SINK and layer.padded
+    starts = LeanKLayer(keep, SINK, RECENT, ACCUMU)
+    starts.starts_hint = torch.tensor([2, 0, 7])  # three prompts, three sequences each
+    starts.update(torch.randn(9, HKV, 20, D), torch.randn(9, HKV, 20, D), kwargs={})
+    assert starts.starts.tolist() == [2, 2, 2, 0, 0, 0, 7, 7, 7]
+
+
+def test_crop_back_to_exactly_the_recent_start_is_allowed():
+    """Item 13: the tokens from ``recent_start`` on are uncompressed; crop may drop all of them (assisted
+    decoding can reach it), and not one more."""
+    for steps in (0, 3, 9):
+        run = _Run(_keep(), [30])
+        run.step(30)
+        for _ in range(steps):
+            run.step(1)
+        layer = run.layer
+        n = layer.length - layer.recent_start
+        assert n >= RECENT
+        with pytest.raises(ValueError, match="uncompressed"):
+            copy.deepcopy(layer).crop(-(n + 1))
+        layer.crop(-n)
+        assert layer.length == layer.recent_start and layer.tail_len == 0
+
+
+# ---- the positional rule -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "lengths", [[25], [25, 18], [9, 25], [5, 12], [30, 27, 21]],
+    ids=["b1", "b2-pad-second", "b2-pad-first", "b2-short", "b3-pad"],
+)
+def test_positional_prefill_and_decode_equal_the_rule(lengths):
+    """rule="positional": the prefill's attention and every later step (one token, or several at once) equal
+    ``leank_attention(accumu_size=A)`` over the uncompressed K/V, rows left-padded by different amounts (so
+    rows reach a key at different steps), a head keeping nothing among them; compressions happen."""
+    run = _Run(_keep(), lengths, rule="positional")
+    out, _ = run.step(max(lengths))
+    assert run.layer.prefilling and not run.layer.dense_now
+    assert _rel_err(out, run.reference()) < 1e-5
+    dense = leank_attention(run.q, run.k, run.v, torch.ones(HKV, D), torch.arange(max(lengths)), SINK, RECENT,
+                            D**-0.5, key_start=run.starts, key_padding_mask=run.pad)
+    assert _rel_err(out, dense) > 1e-3, "the prefill should not be dense under the positional rule"
+    mids = {run.layer.mid_len}
+    for q_len in [1] * 9 + [3] + [1] * 6 + [5, 1, 7, 1, 1]:
+        out, _ = run.step(q_len)
+        assert _rel_err(out, run.reference()) < 1e-5, (q_len, run.layer.length)
+        mids.add(run.layer.mid_len)
+    assert len(mids) >= 4, "the cache never moved tokens to the middle"
+
+
+@pytest.mark.parametrize("q_chunk", [5, 16, 256])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_positional_prefill_attention_equals_the_reference(q_chunk, softcap):
+    """The prompt's attention under the positional rule (kept-channel scores everywhere, full ones only in the
+    head and the chunk's recent band) equals ``leank_attention(accumu_size=A)``: chunks of queries whose band
+    lies past the head or overlaps it, rows padded by more than a sink, a head keeping nothing, a soft-cap,
+    the model's own mask on top (here it also hides one key from every query)."""
+    from leank_infer.decode.positional_prefill import positional_prefill_attention
+
+    g = torch.Generator().manual_seed(11)
+    b, t = 3, 45
+    q, k, v = (torch.randn(b, h, t, D, generator=g) for h in (HKV * GROUPS, HKV, HKV))
+    starts = torch.tensor([0, 7, 19])
+    pad = torch.arange(t).view(1, t) >= starts.view(b, 1)
+    keep = _keep()
+    got = positional_prefill_attention(q, k, v, keep, starts, SINK, RECENT, ACCUMU, D**-0.5, softcap, q_chunk=q_chunk)
+    want = leank_attention(q, k, v, keep.float(), torch.arange(t), SINK, RECENT, D**-0.5, key_start=starts,
+                           key_padding_mask=pad, skip_zero_heads=True, softcap=softcap, accumu_size=ACCUMU)
+    assert _rel_err(got, want) < 1e-5
+    hidden = pad.clone()
+    hidden[:, 30] = False  # a custom mask: key 30 hidden from every query
+    mask = sdpa_mask(batch_size=b, q_length=t, kv_length=t, q_offset=0, attention_mask=hidden)
+    got = positional_prefill_attention(q, k, v, keep, starts, SINK, RECENT, ACCUMU, D**-0.5, softcap, mask,
+                                       q_chunk=q_chunk)
+    want = leank_attention(q, k, v, keep.float(), torch.arange(t), SINK, RECENT, D**-0.5, key_start=starts,
+                           key_padding_mask=hidden, skip_zero_heads=True, softcap=softcap, accumu_size=ACCUMU)
+    assert _rel_err(got, want) < 1e-5
+    # the last 10 positions only (queries after a cached prefix): the same rows of the whole
+    args = (keep, starts, SINK, RECENT, ACCUMU, D**-0.5, softcap)
+    whole = positional_prefill_attention(q, k, v, *args, q_chunk=q_chunk)
+    tail = positional_prefill_attention(q[:, :, -10:], k, v, *args, q_chunk=q_chunk)
+    torch.testing.assert_close(tail, whole[:, -10:], atol=1e-6, rtol=1e-5)

@@ -97,3 +97,24 @@ def test_card_usage_snippet_runs_as_written(tmp_path, capsys):
     exec(compile(code, "card-usage", "exec"), {})
     printed = capsys.readouterr().out.strip()
     assert printed  # the snippet decoded and printed an answer
+
+
+def test_card_statistics_carry_the_numbers_worked_out_by_hand(tmp_path):
+    """Issue #31: each row of the card's statistics table against its number, worked out once from the keep counts
+    (not from mask.stats(), which the card itself uses)."""
+    from leank_infer.hub.card import write_model_card
+
+    keep = torch.zeros(2, 2, 16, dtype=torch.bool)
+    keep[0, 1, :8] = True  # layer 0: a zero head and an 8-channel head
+    keep[1, 0, :] = True  # layer 1: a whole head and a 4-channel head
+    keep[1, 1, :4] = True
+    ChannelMask(keep=keep, sink_size=5, recent_size=7, accumu_size=3, ratio=0.5, align=4,
+                base_model="org/m").save_pretrained(tmp_path)
+    write_model_card(tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    # K: 28 of 64 channels; V: 3 of 4 heads; bf16 bytes per pruned token: K 28 x 2 + V 3 x 16 x 2 = 152 of 256
+    for row in ("| K channels kept | 43.8% |", "| V kept (heads with >= 1 channel) | 75.0% |",
+                "| heads with zero channels | 1 of 4 |", "| KV bytes / pruned token (bfloat16) | 152 vs 256 dense (0.594x) |",
+                "| sink / recent / accumulation tokens | 5 / 7 / 3 |", "| ratio / align | 0.5 / 4 |"):
+        assert row in text, row
+    assert "keeps 43.8% of the K cache and\n75.0% of the V cache" in text

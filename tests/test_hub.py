@@ -208,6 +208,37 @@ def test_cli_push_refuses_a_broken_folder(hub: FakeHub, folder: Path, capsys: py
     assert titles("main") == ["initial commit"]
 
 
+@pytest.mark.parametrize(
+    "name, kind",
+    [("README.md", "link"), ("LICENSE", "link"), ("pattern.png", "link"), ("config.json", "link"),
+     ("eval.json", "fifo"), ("extra.png", "folder")],
+)
+def test_push_publishes_only_regular_files_inside_the_folder(
+    hub: FakeHub, folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, kind: str
+) -> None:
+    """Issue #31 H1: a card linked to a secret must not be published as the card (nor any other link)."""
+    import os
+
+    secret = tmp_path / "credentials"
+    # a link to a loadable config elsewhere is refused too: only what is inside the folder is published
+    secret.write_bytes((folder / name).read_bytes() if name == "config.json" else b"aws_secret_access_key = AKIA")
+    (folder / name).unlink(missing_ok=True)
+    if kind == "link":
+        (folder / name).symlink_to(secret)
+    elif kind == "fifo":
+        os.mkfifo(folder / name)
+    else:
+        (folder / name).mkdir()
+    assert leank(["push", str(folder), REPO]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"leank push: error: {REPO}") and name in err and err.count("\n") == 1, err
+    assert {"link": "symlink", "fifo": "pipe", "folder": "folder"}[kind] in err
+    assert REPO not in hub.repos  # nothing created, nothing uploaded
+    with pytest.raises(MaskError, match=name):
+        ChannelMask.from_dir(folder).push_to_hub(REPO, folder=folder)
+    assert REPO not in hub.repos
+
+
 def test_cli_push_hub_errors_are_one_line(hub: FakeHub, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_mask(1).push_to_hub(REPO)
     api().create_tag(REPO, tag="v1")
@@ -311,6 +342,44 @@ def test_clear_errors(hub: FakeHub, files: dict[str, bytes] | None, revision: st
         seed_repo(files)
     with pytest.raises(MaskError, match=pattern):
         ChannelMask.from_pretrained(REPO, revision=revision)
+
+
+def _hub_repo(hub: FakeHub, extra: dict[str, bytes]) -> None:
+    """A repo holding a valid mask (config, mask) and ``extra`` files, committed straight into the FakeHub."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_mask(1).save_pretrained(Path(tmp) / "m")
+        files = {name: (folder / name).read_bytes() for name in ("config.json", MASK_FILE)}
+    hub.commit(hub.create_repo(REPO), "main", {**files, **extra}, [], "seed")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({f"photo{i:02d}.png": b"p" * (2_500_000 + i) for i in range(40)}, "holds 42 mask repo files; a mask repo has at most 24"),
+        ({MASK_FILE: b"\0" * (100 << 20)}, "mask.safetensors is 104,857,600 bytes; a mask's mask.safetensors may hold at most 67,108,864"),
+        ({"README.md": b"#" * (9 << 20)}, "README.md is 9,437,184 bytes; a mask's README.md may hold at most 8,388,608"),
+        ({f"p{i}.png": b"p" * (7 << 20) for i in range(15)}, "hold 110,10.* bytes together; at most 100,663,296"),
+    ],
+    ids=["40-pngs", "100MB-mask", "9MB-card", "105MB-of-pngs"],
+)
+def test_pull_checks_sizes_before_it_downloads(hub: FakeHub, extra: dict[str, bytes], message: str) -> None:
+    """Issue #31 M4: the Hub's listing is checked against the limits a folder is read with; nothing is fetched."""
+    _hub_repo(hub, extra)
+    with pytest.raises(MaskError, match=message + r".*\(nothing was downloaded\)"):
+        ChannelMask.from_pretrained(REPO)
+    assert not [path for _, path in hub.requests if "/resolve/" in path]
+    assert not list(Path(hub_cache()).rglob("*.png")) and not list(Path(hub_cache()).rglob(MASK_FILE))
+
+
+def test_pull_fetches_top_level_mask_files_only(hub: FakeHub) -> None:
+    """``*.png`` names the repo's plots, not a folder of photos below them."""
+    _hub_repo(hub, {"pattern.png": b"png", **{f"photos/{i}.png": b"p" * 1000 for i in range(30)}})
+    folder = ChannelMask.from_pretrained(REPO) and Path(hub_cache())
+    fetched = sorted({path.rsplit("/", 1)[-1] for _, path in hub.requests if "/resolve/" in path})
+    assert fetched == ["config.json", MASK_FILE, "pattern.png"]
+    assert not list(folder.rglob("photos"))
 
 
 def test_missing_file_is_named(hub: FakeHub) -> None:

@@ -30,7 +30,7 @@ from test_families import reference_steps
 
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.cli import main as cli
-from leank_infer.mask import dense_layers_of, model_shape
+from leank_infer.mask import MaskError, dense_layers_of, model_shape
 from leank_infer.mask.capacity import GiB, capacity_rows, capacity_table, sequence_kv_bytes
 from leank_infer.reference_import import KNOWN_RELEASES, REFERENCE_SIZES, import_reference_mask
 
@@ -231,6 +231,7 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     mask = ChannelMask.from_dir(tmp_path / "a")
     assert mask.align == 16 and mask.ratio == pytest.approx(1 - (3 * 16 + 48) / (3 * 2 * 64))
     assert mask.base_model == "org/model" and mask.extra["provenance"]["trained_by_leank"] is False
+    assert mask.extra["provenance"]["notes"] == []  # an unknown release: no notes (not null)
     assert "base_model_parameters" not in mask.extra
     card = (tmp_path / "a" / "README.md").read_text()
     assert "Capacity" not in card and "Not trained by leank" in card
@@ -251,7 +252,61 @@ def test_import_of_an_unknown_file(tmp_path, capsys):
     # the MIT notice must travel: no licence, no import
     (tmp_path / "LICENSE").unlink()
     assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/model"]) == 2
-    assert "licence" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert "must travel with them (pass --license-file)" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_base_model_given_on_the_command_line_wins_over_a_known_release(tmp_path, monkeypatch, capsys):
+    """Issue #31 item 7: a file leank knows (by sha256) defaults its base model, and --base-model overrides it."""
+    from leank_infer.reference_import import sha256_of
+
+    src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
+    monkeypatch.setitem(KNOWN_RELEASES, sha256_of(src), {"base_model": "org/known", "path": "configs/m.pth"})
+    assert cli(["import", str(src), str(tmp_path / "a")]) == 0
+    assert ChannelMask.from_dir(tmp_path / "a").base_model == "org/known"
+    assert cli(["import", str(src), str(tmp_path / "b"), "--base-model", "org/fine-tune"]) == 0
+    mask = ChannelMask.from_dir(tmp_path / "b")
+    assert mask.base_model == "org/fine-tune" and mask.extra["provenance"]["path"] == "configs/m.pth"
+
+
+def test_import_records_its_provenance_licence_and_card(tmp_path, monkeypatch):
+    """What `leank import` writes, field by field (the committed folders check it too, but only in slow tests):
+    the provenance of a known release, its base-model size, the licence file given, the card's repo."""
+    from leank_infer.reference_import import REFERENCE_COMMIT, REFERENCE_REPORTED, sha256_of
+
+    src = _save_reference(tmp_path / "m.pth", torch.ones(2, 2, 32))
+    digest = sha256_of(src)
+    monkeypatch.setitem(KNOWN_RELEASES, digest, {"base_model": "org/known", "path": "configs/m.pth",
+                                                 "base_model_parameters": 1234, "reported": ["r1"], "notes": ["n1"]})
+    (tmp_path / "MY-LICENSE").write_text("MIT License\n\nmine\n")
+    mask = import_reference_mask(src, tmp_path / "out", license_file=tmp_path / "MY-LICENSE")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["extra"] == {"provenance": {
+        "source": "https://github.com/microsoft/MInference", "commit": REFERENCE_COMMIT, "path": "configs/m.pth",
+        "sha256": digest, "license": "MIT", "copyright": "Copyright (c) Microsoft Corporation",
+        "license_file": "LICENSE", "trained_by": "the LeanK authors (reference implementation)",
+        "trained_by_leank": False, "converted_by": "leank import", "reported": [*REFERENCE_REPORTED, "r1"],
+        "notes": ["n1"]}, "base_model_parameters": 1234}
+    assert mask.extra == cfg["extra"] and (tmp_path / "out" / "LICENSE").read_text() == "MIT License\n\nmine\n"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f'LeanKModel.from_pretrained("{tmp_path / "out"}")' in card and "Note: n1" in card
+    with pytest.raises(MaskError, match="already exists"):  # replacing needs force=True
+        import_reference_mask(src, tmp_path / "out")
+    import_reference_mask(src, tmp_path / "out", repo="org/published", force=True)
+    assert 'LeanKModel.from_pretrained("org/published")' in (tmp_path / "out" / "README.md").read_text()
+    monkeypatch.delitem(KNOWN_RELEASES, digest)
+    with pytest.raises(MaskError, match=rf"\(sha256 {digest[:12]}\.\.\.\): name its base model"):
+        import_reference_mask(src, tmp_path / "other")
+
+
+def test_import_aligns_to_the_head_dim_too(tmp_path):
+    """Item 8: every head keeping 48 of 64 channels is a valid mask: align gcd(64, 48) = 16, not 48 (which
+    does not divide head_dim and would refuse it)."""
+    keep = torch.zeros(2, 2, 64)
+    keep[..., :48] = 1
+    src = _save_reference(tmp_path / "m.pth", keep)
+    mask = import_reference_mask(src, tmp_path / "out", base_model="org/model")
+    assert mask.align == 16 and ChannelMask.from_dir(tmp_path / "out").align == 16
+    assert mask.ratio == pytest.approx(0.25)
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
@@ -262,14 +317,14 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(card, "write_model_card", boom)
+    monkeypatch.setattr(card, "write_card_files", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         import_reference_mask(src, tmp_path / "out", base_model="org/model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LICENSE", "m.pth"]
     # and a forced replacement that fails keeps the old folder
     monkeypatch.undo()
     import_reference_mask(src, tmp_path / "out", base_model="org/old")
-    monkeypatch.setattr(card, "write_model_card", boom)
+    monkeypatch.setattr(card, "write_card_files", boom)
     with pytest.raises(RuntimeError):
         import_reference_mask(src, tmp_path / "out", base_model="org/new", force=True)
     assert ChannelMask.from_dir(tmp_path / "out").base_model == "org/old"
@@ -316,6 +371,61 @@ def test_capacity_rows_follow_the_formula():
     assert capacity_rows(mask, 10, weights)[0]["dense_batch"] == 0  # weights alone do not fit
     with pytest.raises(ValueError, match="positive"):
         capacity_rows(mask, 0, weights)
+
+
+def test_weights_are_counted_at_the_dtypes_size():
+    """Issue #31 item 9: fp32 weights take 4 bytes a parameter (at 2 they would halve and overstate the batch)."""
+    from leank_infer.mask.capacity import weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    sizes = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+    assert {d: weights_bytes_of(mask, None, d) for d in sizes} == {d: n * b for d, b in sizes.items()}
+    assert weights_bytes_of(mask, 70.0, torch.float32) == 70 * GiB  # given: taken as is
+    rows = capacity_rows(mask, 80, weights_bytes_of(mask, None, torch.float32), torch.float32)
+    free = 80 * GiB - 4 * n
+    assert rows[0]["dense_batch"] == int(free // (4096 * 2 * 131072))  # fp32 K/V: twice bf16's bytes per token
+
+
+def test_capacity_table_and_main_print_the_numbers_worked_out_by_hand(capsys):
+    """The table's text against numbers worked out once (the fp32 Llama case of issue #31: 50/74 at 4k on 80 GiB),
+    a GPU where nothing fits (0, no gain), and what --capacity prints above the table."""
+    from leank_infer.mask.capacity import base_parameters, capacity_main, weights_bytes_of
+
+    mask = ChannelMask.from_dir(HUB["llama"])
+    n = mask.extra["base_model_parameters"]
+    head = ["| context | dense KV GiB / seq | LeanK KV GiB / seq | dense max batch | LeanK max batch | batch gain |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    assert capacity_table(mask, 80, 4 * n, torch.float32).splitlines() == head + [
+        "| 4,096 | 1.000 | 0.673 | 50 | 74 | 1.48x |",
+        "| 32,768 | 8.000 | 4.625 | 6 | 10 | 1.67x |",
+        "| 131,072 | 32.000 | 18.171 | 1 | 2 | 2.00x |",
+    ]
+    assert capacity_table(mask, 16, 2 * n).splitlines()[2:] == [
+        "| 4,096 | 0.500 | 0.337 | 2 | 3 | 1.50x |",
+        "| 32,768 | 4.000 | 2.312 | 0 | 0 | - |",
+        "| 131,072 | 16.000 | 9.086 | 0 | 0 | - |",
+    ]
+    assert capacity_rows(mask, 0.5, 0)[0]["dense_batch"] == 1  # half a GiB is a GPU size too
+    assert capacity_main(str(HUB["llama"]), [80, 16], None, torch.float32, "leank bench x --capacity 80,16") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("command: leank bench x --capacity 80,16\n")
+    assert (f"mask: {HUB['llama']} (base model meta-llama/Llama-3.1-8B-Instruct), float32 K/V; weights 29.92 GiB"
+            in out)
+    assert "\nGPU memory 80 GiB:\n\n" + capacity_table(mask, 80, 4 * n, torch.float32) in out
+    assert "\nGPU memory 16 GiB:\n\n" + capacity_table(mask, 16, 4 * n, torch.float32) in out
+    assert weights_bytes_of(mask, 0.0, torch.float32) == 0  # weights given as 0 GiB: all memory is KV
+    with pytest.raises(ValueError, match="--weights-gib must be >= 0, got -1"):
+        weights_bytes_of(mask, -1.0, torch.float32)
+    assert capacity_table(mask, 80, 4 * n, torch.float32, contexts=(1000,)).splitlines()[2:] == [
+        "| 1,000 | 0.244 | 0.244 | 205 | 205 | 1.00x |"]  # the contexts asked for (all inside sink + recent)
+    mask.extra["base_model_parameters"] = 1
+    assert weights_bytes_of(mask, None, torch.float32) == 4
+    mask.extra["base_model_parameters"] = 0  # recorded, but no size: as if not recorded
+    assert base_parameters(mask) is None
+    with pytest.raises(ValueError) as e:
+        weights_bytes_of(mask, None, torch.float32)
+    assert str(e.value).startswith("the mask does not record") and str(e.value).endswith("(GiB of weights)")
 
 
 def test_bench_capacity_flag(capsys, tmp_path):

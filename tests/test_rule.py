@@ -8,12 +8,15 @@ import torch
 
 from leank_infer.decode.rule import (
     apply_softcap,
+    check_rule,
     decode_recent_from,
     default_scale,
     gqa_view,
     key_regions,
+    positional_compressible,
     prefill_recent_from,
     recent_from,
+    row_recent_from,
 )
 
 
@@ -88,3 +91,32 @@ def test_key_regions_by_hand():
     # padding [0,1), sink [1,3), middle [3,6), recent [6,8], future (8,10)
     assert visible[0, 0].tolist() == [False] + [True] * 8 + [False]
     assert middle[0, 0].tolist() == [False] * 3 + [True] * 3 + [False] * 4
+
+
+def test_row_recent_from_counts_positions_from_each_rows_start():
+    # recent 8, accumu 4: the position p counted from the row's start, recent_from = 4 * floor((p - 8) / 4)
+    pos = torch.tensor([[20], [20], [20]])
+    starts = torch.tensor([[0], [3], [9]])
+    # relative 20 -> 12; relative 17 -> 8 (+3 = 11); relative 11 -> 0 (+9 = 9)
+    assert row_recent_from(pos, starts, 8, 4).flatten().tolist() == [12, 11, 9]
+    # early positions: a recent part reaching before the row's start (nothing is middle yet)
+    assert row_recent_from(torch.tensor(5), torch.tensor(2), 8, 4).item() == 2 - 8
+
+
+def test_positional_compressible_is_the_lowest_rows_recent_from():
+    """Keys below it are middle for every row's query at ``length`` (and later: recent_from never decreases)."""
+    starts = torch.tensor([0, 3, 9])
+    assert positional_compressible(20, starts, 8, 4) == 9
+    assert positional_compressible(21, starts, 8, 4) == 11  # rows at 21, 18, 12: 12, 8 + 3, 4 + 9
+    for length in range(40):
+        got = positional_compressible(length, starts, 8, 4)
+        for row_start in starts.tolist():
+            p = length - row_start
+            assert got <= row_start + 4 * ((p - 8) // 4)
+        assert any(got == s + 4 * ((length - s - 8) // 4) for s in starts.tolist())
+
+
+def test_check_rule_names_the_rules():
+    assert check_rule("positional") == "positional" and check_rule("dense-prefill") == "dense-prefill"
+    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', got 'dense'"):
+        check_rule("dense")

@@ -105,6 +105,29 @@ def test_needle_tasks_hide_their_answers_and_their_distractors(probes):
     assert all(len(p.expected) == 2 for p in _by(probes, "niah_multiquery"))
 
 
+def test_the_expected_value_is_the_one_in_the_asked_keys_needle(tok):
+    """Issue #31 item 3: in every task with distractors, the answer is read from the asked key's own needle (a
+    shuffle before the read would make 12 of 20 probes expect a distractor's number)."""
+    import random
+
+    b = ruler.Builder(tok)
+    suite = build_probes(tok, ["niah_multikey", "niah_multiquery"], [1024], 20, seed=3)
+    cases = [(p, 2 if p.kind == "niah_multikey" else 4) for p in suite]  # needles: the asked ones and distractors
+    cases += [(ruler.NeedleMultiKey(distractors=3).make(b, 1024, random.Random(i), "docs", i), 4) for i in range(10)]
+    for p, needles in cases:
+        text, question = p.messages[0]["content"], p.messages[0]["content"].rsplit("\n\n", 1)[1]
+        asked = re.findall(r"of the ([a-z]+-[a-z]+)", question)
+        values = [re.search(rf"The locker combination of the {k} is (\d+)\.", text).group(1) for k in asked]
+        assert asked and p.expected == values, (p.kind, asked, p.expected, values)
+        assert text.count("The locker combination of the ") == needles
+        assert text.startswith(ruler._INTRO)
+        # the answer starts naming the asked key (not a distractor's); several keys: no key in the prefix
+        assert p.answer_prefix == (f"The locker combination of the {asked[0]} is" if p.kind == "niah_multikey"
+                                   else "The locker combinations are")
+    for kind in ("niah_multikey", "niah_multiquery"):  # probe i of a (task, length) is numbered i
+        assert [p.index for p in suite if p.kind == kind] == list(range(20))
+
+
 def test_variable_tracking_chains_in_order(probes):
     for p in _by(probes, "variable_tracking"):
         text = p.messages[0]["content"]

@@ -104,3 +104,67 @@ def test_renamed_gives_one_mask_its_own_methods_and_pairs_them_with_the_full_mod
     assert r80["tasks"]["a"]["random"][100]["correct"] == 0
     assert r80["headline"][100]["leank"]["score"] == 0.6
     assert r80["answers"][0]["leank"] == "y" and "leank-r70" not in r80["answers"][0]
+
+
+# ---- issue #31 items 4-6: the headline's threshold, its standard error, and the card's headline values ----------
+def _rows(task: str, n: int, right: dict[str, int], length: int = 100) -> list[dict]:
+    """``n`` probes of ``task``; method m answers the first ``right[m]`` of them right."""
+    return [{"kind": task, "length": length, "correct": {m: i < k for m, k in right.items()}} for i in range(n)]
+
+
+def test_a_task_the_full_model_passes_at_exactly_80_percent_counts_in_the_headline():
+    """Item 5: 20 of 25 (the report's probe count) is exactly the threshold, and counts; 19 of 25 does not."""
+    rows = _rows("at", 25, {"full": 20, "leank": 10}) + _rows("below", 25, {"full": 19, "leank": 19})
+    h = summarize(rows, ["full", "leank"], [100], ["at", "below"])["headline"][100]
+    assert h["tasks"] == ["at"] and h["leank"]["score"] == 0.4
+
+
+def test_the_headline_standard_error_over_several_tasks_is_that_of_their_mean():
+    """Item 6: SE of a mean of k task accuracies = sqrt(sum p(1-p)/n) / k (not / sqrt(k)); three passing tasks."""
+    rows = (_rows("a", 10, {"full": 10, "leank": 9}) + _rows("b", 20, {"full": 18, "leank": 10})
+            + _rows("c", 5, {"full": 5, "leank": 2}))
+    h = summarize(rows, ["full", "leank"], [100], ["a", "b", "c"])["headline"][100]
+    assert h["tasks"] == ["a", "b", "c"]
+    ps = [(0.9, 10), (0.5, 20), (0.4, 5)]
+    assert h["leank"]["score"] == pytest.approx(sum(p for p, _ in ps) / 3)
+    assert h["leank"]["se"] == pytest.approx((sum(p * (1 - p) / n for p, n in ps)) ** 0.5 / 3)
+    assert h["full"]["se"] == pytest.approx((0.9 * 0.1 / 20) ** 0.5 / 3)
+
+
+def test_the_cards_headline_value_of_each_method_is_that_methods_score(tmp_path):
+    """Item 4: the model index's headline row of a method carries that method's score (and its text), not the
+    full model's."""
+    import torch
+    from huggingface_hub import ModelCard
+
+    from leank_infer import ChannelMask
+    from leank_infer.hub.card import write_model_card
+    from leank_train.evaluate import card_results
+
+    methods = ["full", "leank", "random"]
+    rows = _rows("a", 10, {"full": 10, "leank": 8, "random": 3}) + _rows("b", 10, {"full": 9, "leank": 6, "random": 1})
+    res = {"methods": methods, "lengths": [100], **summarize(rows, methods, [100], ["a", "b"])}
+    ChannelMask.from_scores(torch.rand(2, 2, 16), 0.5, 4).save_pretrained(tmp_path)
+    write_model_card(tmp_path, card_results(res, "leank eval x"))
+    card = ModelCard.load(tmp_path / "README.md")
+    heads = {r.metric_config: r for r in card.data.eval_results if r.dataset_args["task"] == "headline"}
+    scores = {m: res["headline"][100][m]["score"] for m in methods}
+    assert scores == pytest.approx({"full": 0.95, "leank": 0.7, "random": 0.2})
+    assert {m: r.metric_value for m, r in heads.items()} == pytest.approx(scores)
+    assert {m: r.metric_args["se"] for m, r in heads.items()} == pytest.approx(
+        {m: res["headline"][100][m]["se"] for m in methods})
+    for m in methods:  # the card's table cell of the headline row says the same number
+        assert f"{scores[m]:.3f} +/- " in card.text
+
+
+def test_a_task_without_probes_at_one_length_leaves_the_other_lengths_and_tasks_alone():
+    """A (task, length) cell with no probes is skipped, not the rest: later lengths and tasks still get cells, and
+    the headline says how many probes per task would bring its standard error to 0.03."""
+    rows = _rows("a", 4, {"full": 4, "leank": 3}, length=200) + _rows("b", 10, {"full": 9, "leank": 9}, length=100)
+    rows += _rows("b", 10, {"full": 8, "leank": 5}, length=200)
+    s = summarize(rows, ["full", "leank"], [100, 200], ["a", "b"])
+    assert set(s["tasks"]["a"]["full"]) == {200} and set(s["tasks"]["b"]["leank"]) == {100, 200}
+    assert s["tasks"]["b"]["leank"][200]["correct"] == 5
+    assert s["headline"][100]["tasks"] == ["b"] and s["headline"][200]["tasks"] == ["a", "b"]
+    assert s["headline"][200]["probes_for_se_0.03"] == probes_for_se([1.0, 0.8]) > 0
+    assert s["headline"][100]["probes_for_se_0.03"] == probes_for_se([0.9])

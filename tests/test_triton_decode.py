@@ -285,6 +285,19 @@ def test_q_len_above_one_falls_back_to_torch():
     torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
 
 
+def test_tail_keys_with_kept_channels_fall_back_to_torch():
+    """The positional rule with left padding scores a row's oldest tail keys with the kept channels
+    (``DecodeMasks.tail_mid``): the kernel does not, so the dispatcher takes the PyTorch path."""
+    q, layout, masks, scale = make_case([16, 32], mid=5)
+    tail_mid = torch.zeros(1, 1, layout.tail_len, dtype=torch.bool)
+    tail_mid[..., :3] = True
+    masks = dataclasses.replace(masks, tail=~tail_mid, tail_mid=tail_mid)
+    with pytest.raises(ValueError, match="tail keys scored with the kept channels"):
+        td.triton_decode_attention(q, layout, masks, scale)
+    got = bk.decode_attention(q, layout, masks, scale, backend="triton")
+    torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
+
+
 # ---- dispatcher --------------------------------------------------------------------------------
 def test_auto_picks_triton_for_cuda_tensors_when_triton_is_there():
     """The choice itself, device and availability faked at the dispatcher's seam."""

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_pages import random_mask
 
 from leank_infer import ChannelMask, MaskError
 from leank_infer.vllm.pool import WorkerPlan, kv_heads_of_rank, packed_width
 from leank_infer.vllm.settings import load_checked_mask, settings_from
-
-from vllm_pages import random_mask
 
 
 def test_kv_heads_per_rank_split_or_replicate_as_vllm_does():

@@ -2,9 +2,11 @@
 
 ``leank_attention_forward`` is registered with transformers' ``AttentionInterface``. Without a
 LeanK cache layer in its kwargs (no LeanK cache, or a layer the mask keeps dense), and for the
-forward that fills an empty LeanK layer (the prefill: full attention, as LeanK prescribes), it is
-the model's own dense attention (:func:`dense_attention`); so is a step of a layer still under its ``dense_until``
-(:class:`~leank_infer.decode.cache.LeanKCache`), which hands over every token's full K/V. Otherwise it reads the
+forward that fills an empty LeanK layer (the prefill: full attention under the default ``"dense-prefill"``
+rule), it is the model's own dense attention (:func:`dense_attention`); under the ``"positional"`` rule that
+prefill follows the rule instead (:func:`~leank_infer.decode.positional_prefill.positional_prefill_attention`,
+over the K/V as given). A step of a layer still under its ``dense_until``
+(:class:`~leank_infer.decode.cache.LeanKCache`), which hands over every token's full K/V, is dense too. Otherwise it reads the
 layer's :class:`~leank_infer.decode.layout.DecodeLayout` and the step's masks and calls the backend dispatcher
 (:func:`leank_infer.decode.backend.decode_attention`). It never changes the cache: the cache compresses
 itself in its ``update``. Its mask function is SDPA's, so the model hands it a bool mask (or None).
@@ -21,6 +23,7 @@ import torch
 from . import layer_handoff
 from .backend import decode_attention
 from .layout import allowed_from_mask, row_starts
+from .positional_prefill import positional_prefill_attention
 from .rule import default_scale, gqa_view
 from .torch_decode import finish, masked, partial, scores
 
@@ -95,6 +98,13 @@ def leank_attention_forward(
     if layer is None and not fed_by_leank_cache and key.shape[2] > query.shape[2]:
         # past keys from another kind of cache: a decode step that would silently run dense
         raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
+    if layer is not None and layer.prefilling and layer.positional:  # the prompt by the rule, over its whole K/V
+        _check_row_starts(layer, attention_mask, query.shape[0])
+        out = positional_prefill_attention(
+            query, key, value, layer.groups.keep, layer.starts, layer.sink_size, layer.recent_size,
+            layer.accumu_size, scaling, softcap, attention_mask,
+        )
+        return out, None
     if layer is None or layer.dense_now:  # no LeanK layer, the prefill, or a step under the cache's dense_until
         if layer is not None and layer.prefilling:
             _check_row_starts(layer, attention_mask, query.shape[0])

@@ -21,6 +21,10 @@ from .torch_decode import torch_decode_attention
 BACKENDS = ("torch", "triton", "auto")
 
 
+class BackendError(ValueError):
+    """The decode backend asked for (argument or ``LEANK_BACKEND``) is not one of :data:`BACKENDS`."""
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: the argument, else ``LEANK_BACKEND``, else "auto" (checked against BACKENDS)."""
     if backend is None:
@@ -29,10 +33,10 @@ def requested_backend(backend: str | None = None) -> str:
             return "auto"
         backend = backend.strip().lower() or "auto"
         if backend not in BACKENDS:
-            raise ValueError(f"LEANK_BACKEND must be one of {BACKENDS}, got {backend!r}")
+            raise BackendError(f"LEANK_BACKEND must be one of {', '.join(BACKENDS)} (or unset), got {backend!r}")
     backend = backend.lower()
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise BackendError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     return backend
 
 

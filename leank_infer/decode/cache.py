@@ -18,6 +18,16 @@ Storage is preallocated: head and tail share one ``[B, Hkv, cap, D]`` buffer siz
 the tail shifts down by ``accumu_size``), the middle grows in chunks of :data:`MID_CHUNK` tokens.
 Row starts come from ``position_ids`` (generate numbers each row's real tokens from 0).
 
+``rule`` (:data:`~leank_infer.decode.rule.RULES`): ``"dense-prefill"`` (the default) is the above: the
+prompt's attention is dense and the schedule is anchored at the prompt's end. ``"positional"`` makes every
+query follow :func:`~leank_infer.decode.rule.positional_recent_from`, a function of its position alone: the
+prompt's attention too (:mod:`~leank_infer.decode.positional_prefill`, over the K/V as given), and before
+each update the layer moves to the middle every key that is a middle key for the next query of every row
+(:func:`~leank_infer.decode.rule.positional_compressible`). With left padding, rows reach a key at
+different steps: a tail key that is already middle for some row is scored with the kept channels there
+(``DecodeMasks.tail_mid``). Several tokens at once (chunked prefill, assisted decoding) then give what one
+prefill gives.
+
 ``dense_until`` (default 0: off) is the documented switch for short contexts: while a layer holds
 fewer tokens than that (padded length, before a forward's new tokens), it keeps every token's full
 K/V and its attention is the model's dense one, no memory saved; the first forward at or past it
@@ -41,14 +51,32 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..mask import ChannelMask, dense_layers_of
+from ..mask import ChannelMask, dense_layers_of, model_positions
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
-from .rule import decode_recent_from, prefill_recent_from
+from .rule import (
+    DENSE_PREFILL,
+    POSITIONAL,
+    check_rule,
+    decode_recent_from,
+    positional_compressible,
+    prefill_recent_from,
+)
 
 MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
 MID_ALIGN = 16  # middle capacity is a multiple of this: the GPU kernel then moves channel-major K as full vectors
+
+
+def check_rule_options(rule: str, dense_until: int) -> str:
+    """``rule`` if it is a known rule and ``dense_until`` fits it, else one ValueError saying what is wrong."""
+    check_rule(rule)
+    if rule == POSITIONAL and dense_until:
+        raise ValueError(
+            f"dense_until={dense_until} has no meaning under rule={POSITIONAL!r}: every query, the prompt's "
+            f"included, follows the rule from position 0 on; use dense_until=0, or rule={DENSE_PREFILL!r}"
+        )
+    return rule
 
 
 def mid_capacity(n: int) -> int:
@@ -111,10 +139,12 @@ class LeanKLayer(CacheLayerMixin):
         config: Any = None,
         shared: dict | None = None,
         dense_until: int = 0,
+        rule: str = DENSE_PREFILL,
     ):
         super().__init__()
         if dense_until < 0:
             raise ValueError(f"dense_until must be >= 0 tokens, got {dense_until}")
+        self.rule = check_rule_options(rule, dense_until)
         self.dense_until = int(dense_until)
         # all layers of a cache hold the same token layout: they share the decode masks of a step
         self._shared = {} if shared is None else shared
@@ -139,9 +169,15 @@ class LeanKLayer(CacheLayerMixin):
 
     # ---- sizes and views -----------------------------------------------------------------------
     @property
+    def positional(self) -> bool:
+        """Whether this layer follows the positional rule (:data:`~leank_infer.decode.rule.POSITIONAL`)."""
+        return self.rule == POSITIONAL
+
+    @property
     def dense_now(self) -> bool:
-        """Whether this forward's attention is the model's dense one: the prefill, or a step under ``dense_until``."""
-        return self.prefilling or self.deferred
+        """Whether this forward's attention is the model's dense one: the prefill (dense-prefill rule), or a
+        step under ``dense_until``."""
+        return (self.prefilling and not self.positional) or self.deferred
 
     @property
     def head_k(self) -> torch.Tensor:
@@ -183,6 +219,7 @@ class LeanKLayer(CacheLayerMixin):
             self.recent_start,
             self.length,
             self.padded,
+            (self.recent_size, self.accumu_size) if self.positional else None,
         )
 
     def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
@@ -259,7 +296,7 @@ class LeanKLayer(CacheLayerMixin):
             self._prefill(key_states, value_states, positions)
             return key_states, value_states
         self._check_attention()
-        self.recent_start = decode_recent_from(self.recent_start, self.length, self.recent_size, self.accumu_size)
+        self.recent_start = self._next_recent_start()
         if self.deferred and self.length >= self.dense_until:
             self._compress_deferred()
         if not self.deferred:
@@ -299,10 +336,13 @@ class LeanKLayer(CacheLayerMixin):
         self.padded = max_start > 0
         self.head_target = max_start + self.sink_size
         h = min(t, self.head_target)
-        self.recent_start = prefill_recent_from(t, self.recent_size)
+        self.recent_start = (
+            positional_compressible(t, self.starts, self.recent_size, self.accumu_size)
+            if self.positional else prefill_recent_from(t, self.recent_size)
+        )
         self.deferred = t < self.dense_until
         m = h if self.deferred else max(h, self.recent_start)  # deferred: everything after the head stays full
-        cap = max(h + (t - m), self.head_target + self.recent_size) + self.accumu_size + 1
+        cap = max(h + (t - m), self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
         self._full_k = k.new_empty(b, hkv, cap, d)
         self._full_v = v.new_empty(b, hkv, cap, v.shape[-1])
         self._full_k[:, :, :h] = k[:, :, :h]
@@ -319,6 +359,14 @@ class LeanKLayer(CacheLayerMixin):
         self.length = t
         self._shared.clear()
 
+    def _next_recent_start(self, length: int | None = None) -> int:
+        """Where the full part begins before queries from ``length`` (default: the current length) join: the
+        dense-prefill schedule's next step, or every row's middle so far under the positional rule."""
+        length = self.length if length is None else length
+        if self.positional:
+            return positional_compressible(length, self.starts, self.recent_size, self.accumu_size)
+        return decode_recent_from(self.recent_start, length, self.recent_size, self.accumu_size)
+
     def _write_middle(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append full K/V ``[B, Hkv, n, D]`` to the middle: the kept channels per head group, V of nonzero heads."""
         n = k.shape[2]
@@ -328,7 +376,7 @@ class LeanKLayer(CacheLayerMixin):
         cap = self._mid_v.shape[2]
         if end > cap:
             # the first write (an empty middle: a short prompt, or dense_until's switch) takes what it holds
-            cap = mid_capacity(max(end, cap + max(MID_CHUNK, self.accumu_size)) if cap else end)
+            cap = mid_capacity(max(end, cap + self._bounded(max(MID_CHUNK, self.accumu_size))) if cap else end)
             self._mid_k = [_grow(t, self.mid_len, cap) for t in self._mid_k]
             self._mid_v = _grow(self._mid_v, self.mid_len, cap)
         b = k.shape[0]
@@ -358,11 +406,17 @@ class LeanKLayer(CacheLayerMixin):
         self.deferred = False
         self._roll()
         full = self.head_len + self.tail_len
-        cap = max(full, self.head_target + self.recent_size) + self.accumu_size + 1
+        cap = max(full, self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
         if cap < self._full_k.shape[2]:
             self._full_k = self._full_k[:, :, :cap].clone()
             self._full_v = self._full_v[:, :, :cap].clone()
         self._shared.clear()
+
+    def _bounded(self, tokens: int) -> int:
+        """``tokens`` of preallocation, at most the model's positions (a mask's sizes may say 2^31-1: "never
+        prune"; no sequence holds more tokens than the model has positions)."""
+        limit = model_positions(self._config) if self._config is not None else None
+        return tokens if limit is None else min(tokens, limit)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         q_len = k.shape[2]
@@ -371,7 +425,7 @@ class LeanKLayer(CacheLayerMixin):
             take = min(q_len, max(0, self.head_target - self.head_len))
         pos = self.head_len + self.tail_len
         if pos + q_len > self._full_k.shape[2]:  # several tokens at once, or a dense_until layer growing
-            cap = pos + q_len + (max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
+            cap = pos + q_len + self._bounded(max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
             self._full_k = _grow(self._full_k, pos, cap)
             self._full_v = _grow(self._full_v, pos, cap)
         self._full_k.narrow(2, pos, q_len).copy_(k)
@@ -407,9 +461,11 @@ class LeanKLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or (
-            not self.deferred and self.length - n < self.recent_start
-        ):
+        if self.positional:  # the next query must find full every key it scores with all channels
+            compressed = self.mid_len and self._next_recent_start(self.length - n) < self.head_len + self.mid_len
+        else:
+            compressed = not self.deferred and self.length - n < self.recent_start
+        if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or compressed:
             raise ValueError(
                 f"cannot crop {n} tokens from a LeanK cache: only uncompressed recent tokens can be dropped"
             )
@@ -447,9 +503,11 @@ class LeanKCache(Cache):
     the model's own cache layer (e.g. ``DynamicSlidingWindowLayer``): they keep only their window.
     ``dense_until`` (tokens, 0 = off): decode dense, without compressing, until a sequence holds that
     many tokens (see the module docstring): the short-context switch, never on by default.
+    ``rule``: ``"dense-prefill"`` (default) or ``"positional"`` (see the module docstring; refuses ``dense_until``).
     """
 
-    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0):
+    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL):
+        check_rule_options(rule, dense_until)
         if config is not None:
             mask.validate(config)
         shared: dict = {}
@@ -458,12 +516,15 @@ class LeanKCache(Cache):
         layers = [
             model_cache_layer(config, i)
             if i in dense
-            else LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until)
+            else LeanKLayer(
+                mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until, rule
+            )
             for i in range(mask.num_layers)
         ]
         super().__init__(layers=layers)
         self.mask = mask
         self.dense_until = dense_until
+        self.rule = rule
         # Each row's first real token, for a prefill whose update gets no position_ids (transformers
         # < 5.20 hands none to Cache.update): set by generate's cache hook from the attention mask.
         self.prefill_starts: torch.Tensor | None = None
@@ -524,7 +585,14 @@ def fill_from_prefill(
     Each layer takes them through its own ``update``, so a LeanK cache compresses them exactly as in its
     own prefill: one dense prefill can serve a dense cache and LeanK caches alike (the benchmark, the
     evaluation). ``position_ids`` give left-padded rows their starts, as ``generate`` numbers them.
+    Not for a ``rule="positional"`` cache: its prompt's attention depends on the mask, so a dense prefill's
+    K/V (past the first layer) are not what its own prefill computes.
     """
+    if getattr(cache, "rule", DENSE_PREFILL) == POSITIONAL:
+        raise ValueError(
+            f"a LeanK cache of rule={POSITIONAL!r} cannot be filled from a dense prefill: under that rule the "
+            "prompt attends by the mask too, so prefill through the LeanK model with this cache instead"
+        )
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         cache.update(k, v, i, kwargs=kwargs)

@@ -9,7 +9,9 @@ coordinates ``[0, length)``:
   head keys are middle keys *for that row*: scored with the kept channels),
 - middle ``[head_len, head_len + mid_len)``: per group of KV heads with equal kept count, one K
   tensor of the kept channels ``[B, Hg, n, c]``; V ``[B, Hnz, n, D]`` only for heads keeping any,
-- tail ``[head_len + mid_len, length)``: all channels, the recent tokens.
+- tail ``[head_len + mid_len, length)``: all channels, the recent tokens (under the positional rule
+  with left padding, a row's oldest tail keys may already be middle keys *for that row*: scored with the
+  kept channels, as in the head).
 
 Head and tail are stored one after the other (``full_k``/``full_v``: ``[B, Hkv, head_len +
 tail_len, D]``), so a step with nothing to mask attends to them in one call.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .rule import key_regions
+from .rule import key_regions, row_recent_from
 
 
 @dataclass(frozen=True)
@@ -142,18 +144,22 @@ class DecodeMasks:
     """Per-region attendable keys of a step (bool; None = every key of the region, for every query).
 
     ``head_full`` / ``head_mid``: ``[B, Q, H]``, head keys scored with all / only the kept channels
-    (disjoint); ``mid`` / ``tail``: ``[B or 1, Q, n]`` / ``[B or 1, Q, t]``.
+    (disjoint); ``mid``: ``[B or 1, Q, n]``; ``tail`` / ``tail_mid``: ``[B or 1, Q, t]``, tail keys scored
+    with all / only the kept channels (disjoint; ``tail_mid`` None: no tail key is a middle key, as always
+    under the dense-prefill rule).
     """
 
     head_full: torch.Tensor | None = None
     head_mid: torch.Tensor | None = None
     mid: torch.Tensor | None = None
     tail: torch.Tensor | None = None
+    tail_mid: torch.Tensor | None = None
 
     @property
     def trivial(self) -> bool:
-        """Nothing to mask: all keys are attended, and head keys with all channels."""
-        return self.head_full is None and self.head_mid is None and self.mid is None and self.tail is None
+        """Nothing to mask: all keys are attended, and head and tail keys with all channels."""
+        return (self.head_full is None and self.head_mid is None and self.mid is None and self.tail is None
+                and self.tail_mid is None)
 
 
 @dataclass(slots=True)
@@ -171,6 +177,9 @@ class DecodeLayout:
     recent_from: int  # first full recent key: keys in [start + sink, recent_from) are middle keys
     length: int  # tokens in padded coordinates, the new ones included
     padded: bool  # some row starts after 0 (left padding): the head holds padding or that row's middle keys
+    # (recent_size, accumu_size) under the positional rule: each query's own recent part
+    # (rule.row_recent_from), ``recent_from`` only where the middle ends; None: ``recent_from`` for every query
+    positional: tuple[int, int] | None = None
 
     def float(self) -> DecodeLayout:
         """The same layout with K/V in fp32 (the reference precision kernels are checked against)."""
@@ -271,15 +280,26 @@ def decode_masks(layout: DecodeLayout, attention_mask: torch.Tensor | None, q_le
     h, n, total = layout.head_len, layout.mid_len, layout.length
     j = torch.arange(total, device=device).view(1, 1, -1)
     p = torch.arange(total - q_len, total, device=device).view(1, -1, 1)
-    visible, middle = key_regions(j, p, starts.view(-1, 1, 1), layout.sink_size, layout.recent_from)
+    rf: torch.Tensor | int = layout.recent_from
+    if layout.positional is not None:  # each row and query its own recent part
+        rf = row_recent_from(p, starts.view(-1, 1, 1), *layout.positional)
+    visible, middle = key_regions(j, p, starts.view(-1, 1, 1), layout.sink_size, rf)
     base = allowed_from_mask(attention_mask, total, q_len, device)
     if base is not None:
         visible = visible & base
+    tail, tail_mid = visible[..., h + n :], None
+    if layout.positional is not None:
+        # rows (left padding) and later queries of a chunk pass rf at different keys: the tail can hold keys
+        # that are middle keys for some of them (the cache moves a key only once it is middle for every row)
+        tail_mid = tail & middle[..., h + n :]
+        tail = tail & ~middle[..., h + n :]
+        tail_mid = tail_mid if bool(tail_mid.any()) else None
     return DecodeMasks(
         head_full=visible[..., :h] & ~middle[..., :h],
         head_mid=visible[..., :h] & middle[..., :h],
         mid=visible[..., h : h + n],  # the cache moves a key to the middle only once it is middle for every row
-        tail=visible[..., h + n :],
+        tail=tail,
+        tail_mid=tail_mid,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .rule import apply_softcap, attended, gqa_view, key_regions, positional_recent_from, training_recent_from
+from .rule import apply_softcap, attended, gqa_view, key_regions, row_recent_from, training_recent_from
 
 
 def leank_attention(
@@ -69,7 +69,7 @@ def leank_attention(
             recent_from = training_recent_from(p, recent_size)
         else:
             row = start.view(b, 1, 1)
-            recent_from = row + positional_recent_from(p - row, recent_size, accumu_size)
+            recent_from = row_recent_from(p, row, recent_size, accumu_size)
         visible, middle = key_regions(j, p, start.view(b, 1, 1), sink_size, recent_from)
         if key_padding_mask is not None:
             visible = visible & key_padding_mask.to(key.device).bool().unsqueeze(1)

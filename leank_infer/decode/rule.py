@@ -16,7 +16,9 @@ at ``start`` (left padding), and a query at position ``p`` whose full recent par
 
 Training uses ``recent_from = p - recent_size`` for every query. Decoding keeps between
 ``recent_size`` and ``recent_size + accumu_size`` full recent keys: :func:`decode_recent_from`
-is its compression schedule.
+is its compression schedule, anchored at the end of the prompt (the ``"dense-prefill"`` rule, whose
+prompt attends with every channel). The ``"positional"`` rule (:func:`positional_recent_from`) gives
+every query, prompt and generated alike, a recent part that depends on its position alone.
 """
 
 from __future__ import annotations
@@ -66,6 +68,36 @@ def positional_recent_from(query_pos: torch.Tensor | int, recent_size: int, accu
     if isinstance(query_pos, int):
         return (query_pos - recent_size) // accumu_size * accumu_size
     return torch.div(query_pos - recent_size, accumu_size, rounding_mode="floor") * accumu_size
+
+
+def row_recent_from(
+    query_pos: torch.Tensor, row_start: torch.Tensor, recent_size: int, accumu_size: int
+) -> torch.Tensor:
+    """:func:`positional_recent_from` in padded coordinates: a row whose first real token is at ``row_start``
+    (left padding) counts positions from there. Inputs broadcast (e.g. queries ``[B, Q, 1]``, starts ``[B, 1, 1]``)."""
+    return row_start + positional_recent_from(query_pos - row_start, recent_size, accumu_size)
+
+
+def positional_compressible(length: int, row_starts: torch.Tensor, recent_size: int, accumu_size: int) -> int:
+    """Under the positional rule, keys below this index are middle keys for every row's query at ``length``
+    (padded coordinates) and for every later one (``recent_from`` never decreases with the position): what a
+    cache may store with the kept channels only before queries from ``length`` on join it."""
+    return int(row_recent_from(torch.as_tensor(length), row_starts, recent_size, accumu_size).min())
+
+
+#: The rules the HF path decodes with: ``"dense-prefill"`` (the prompt attends with every channel; decoding
+#: follows the schedule :func:`recent_from`, anchored at the prompt's end) and ``"positional"`` (every query,
+#: prompt and generated alike, by :func:`positional_recent_from`: what vLLM's chunked prefill can reproduce).
+DENSE_PREFILL = "dense-prefill"
+POSITIONAL = "positional"
+RULES = (DENSE_PREFILL, POSITIONAL)
+
+
+def check_rule(rule: str) -> str:
+    """``rule`` if it is one of :data:`RULES`, else a ValueError naming them."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(repr(r) for r in RULES)}, got {rule!r}")
+    return rule
 
 
 def prefill_recent_from(prefill_len: int, recent_size: int) -> int:

@@ -158,15 +158,22 @@ def _general(
         s = scores(q5, layout.full_k, scaling, softcap)  # [B, Hkv, G, Q, h + t]
         allowed = None
         if not masks.trivial:
-            head = rows(masks.head_full, h)
-            if masks.head_mid is not None and bool(masks.head_mid.any()):
-                # rows with left padding: their later head keys are middle keys (kept channels only)
-                keep = groups.keep.to(query.dtype).view(1, hkv, 1, 1, d)
-                mid = rows(masks.head_mid, h)
-                s_mid = scores(q5 * keep, layout.head_k, scaling, softcap)
-                s[..., :h] = torch.where(mid, s_mid, s[..., :h])
-                head = head | (mid & groups.nonzero.view(1, hkv, 1, 1, 1))
-            allowed = torch.cat([head.expand(b, -1, 1, q_len, h), rows(masks.tail, t).expand(b, head.shape[1], 1, q_len, t)], -1)
+            keep = groups.keep.to(query.dtype).view(1, hkv, 1, 1, d)
+            nonzero = groups.nonzero.view(1, hkv, 1, 1, 1)
+
+            def kept_channels(full: torch.Tensor, mid_mask: torch.Tensor | None, at: slice, k: torch.Tensor) -> torch.Tensor:
+                """Where ``mid_mask`` says so, the region's scores with the kept channels only (zero heads: dropped)."""
+                if mid_mask is None or not bool(mid_mask.any()):
+                    return full
+                mid = rows(mid_mask, k.shape[2])
+                s[..., at] = torch.where(mid, scores(q5 * keep, k, scaling, softcap), s[..., at])
+                return full | (mid & nonzero)
+
+            # rows with left padding: their later head keys are middle keys (kept channels only); under the
+            # positional rule, so can be a row's or a later query's oldest tail keys
+            head = kept_channels(rows(masks.head_full, h), masks.head_mid, slice(0, h), layout.head_k)
+            tail = kept_channels(rows(masks.tail, t), masks.tail_mid, slice(h, h + t), layout.tail_k)
+            allowed = torch.cat([head.expand(b, hkv, 1, q_len, h), tail.expand(b, hkv, 1, q_len, t)], -1)
         state = partial(masked(s, allowed), layout.full_v)
     else:  # nothing but (possibly) middle keys: start from an empty part
         shape = (b, hkv, g, q_len, 1)

@@ -29,7 +29,8 @@ strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row 
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
 the load. Not supported (:func:`unsupported`; the dispatcher sends them to the PyTorch path): ``q_len > 1`` (prefill-like chunks, or
 speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, a
-non-positive ``softcap``. Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
+non-positive ``softcap``, tail keys to score with the kept channels (``tail_mid``: the positional rule
+with left padding). Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
 of the score step (:func:`_logits`): models without it compile the plain kernel.
 """
 
@@ -444,6 +445,8 @@ def unsupported(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, s
         return f"dtype {query.dtype}"
     if layout.full_v.shape[-1] != query.shape[-1]:
         return "V head_dim != K head_dim"
+    if masks.tail_mid is not None:
+        return "tail keys scored with the kept channels (the positional rule's tail, with left padding)"
     for m in (masks.head_full, masks.head_mid, masks.mid, masks.tail):
         if m is not None and (m.ndim != 3 or m.shape[1] != 1 or m.dtype != torch.bool):
             return "a mask that is not [B, 1, n] bool"

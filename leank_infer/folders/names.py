@@ -36,6 +36,12 @@ def revision_problem(revision: Any) -> str | None:
     return None
 
 
+def control_characters(text: str) -> bool:
+    """Whether ``text`` holds control characters (terminal escape sequences among them): no path or Hub id
+    does, and a stranger's mask must not write them to a terminal."""
+    return any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text)
+
+
 def repo_id_problem(repo_id: Any) -> str | None:
     """Why ``repo_id`` is not a Hub repo id ``owner/name`` (huggingface_hub's own rules); None when it is one."""
     from huggingface_hub.errors import HFValidationError
@@ -63,4 +69,6 @@ def inner_file_problem(name: Any) -> str | None:
     parts = name.split("/")
     if name.startswith("/") or "\\" in name or "\x00" in name or any(p in ("", ".", "..") for p in parts):
         return f"{name!r} must name a file inside the model's folder or package (a relative path without '..')"
+    if any(c in name for c in "*?[]") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return f"{name!r} must name one file (no glob characters * ? [ ], no control characters)"
     return None

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..mask import ChannelMask, write_mask_folder
+from ..mask import ChannelMask, update_mask_folder
 
 # Licenses of base models we publish masks for; anything else is left for the user to fill in.
 KNOWN_LICENSES = {
@@ -58,10 +58,18 @@ RECIPE_SECTION = """\
 
 This mask was produced by `leank run` with this recipe:
 
-```yaml
+{fence}yaml
 {recipe}
-```
+{fence}
 """
+
+
+def code_fence(text: str) -> str:
+    """A Markdown code fence ``text`` cannot close: longer than any run of backticks in it (CommonMark), so a
+    recipe's text stays inside its block and cannot add Markdown (links, images, HTML) to the card."""
+    import re
+
+    return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
 
 USAGE = """\
 from leank_infer import LeanKModel
@@ -274,7 +282,8 @@ def build_card(
         figures="".join(f"![{name}]({name})\n\nDrawn by `{cmd}`\n\n" for name, cmd in (figures or {}).items()),
         capacity=capacity_section(mask, repo),
         provenance=provenance_section(mask),
-        recipe=RECIPE_SECTION.format(recipe=(mask.recipe or "# (no recipe recorded)").rstrip())
+        recipe=RECIPE_SECTION.format(recipe=(recipe := (mask.recipe or "# (no recipe recorded)").rstrip()),
+                                     fence=code_fence(recipe))
         if mask.recipe or not provenance_section(mask)
         else "",
     )
@@ -282,6 +291,27 @@ def build_card(
 
 
 EVAL_FILE = "eval.json"
+
+
+def read_eval_record(folder: str | Path) -> dict[str, Any]:
+    """The card's record (``eval.json``: ``results`` rows and ``figures``) of mask folder ``folder``, {} when it has
+    none; a damaged one is a MaskError naming it (it would otherwise fail the card update after a whole run)."""
+    from ..mask import MaskError
+    from ..mask.folder import parse_config
+    from ..mask.format import file_limit
+
+    path = Path(folder) / EVAL_FILE
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > file_limit(EVAL_FILE):
+        raise MaskError(f"{path} is {path.stat().st_size:,} bytes; at most {file_limit(EVAL_FILE):,}")
+    record = parse_config(path.read_bytes(), path)
+    results, figures = record.get("results"), record.get("figures", {})
+    if results is not None and not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
+        raise MaskError(f"{path}: 'results' must be a list of result rows (objects); fix or delete the file")
+    if not isinstance(figures, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in figures.items()):
+        raise MaskError(f"{path}: 'figures' must map PNG file names to the commands that drew them; fix or delete it")
+    return record
 
 
 def write_card_files(
@@ -304,7 +334,7 @@ def write_card_files(
     folder = Path(folder)
     mask = ChannelMask.from_dir(folder)
     record_path = folder / EVAL_FILE
-    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    record = read_eval_record(folder)
     if eval_results is not None:
         record["results"] = eval_results
     if figures:
@@ -330,11 +360,13 @@ def write_model_card(
 
     The folder's files, the ``figure_files`` (plots a command drew elsewhere, copied in by name) and the
     new card are written to a fresh sibling that replaces the folder in one swap
-    (:func:`~leank_infer.mask.write_mask_folder`): a reader sees the old card or the new one, and a
-    failure leaves the folder as it was. See :func:`write_card_files` for what the card keeps.
+    (:func:`~leank_infer.mask.update_mask_folder`): a reader sees the old card or the new one, a
+    failure leaves the folder as it was, and a save or export that lands while the card is drawn is
+    kept (the card is drawn again for it). See :func:`write_card_files` for what the card keeps.
     """
     folder = Path(folder)
     ChannelMask.from_dir(folder)  # a folder that is not a mask repo: its MaskError, before anything is written
+    read_eval_record(folder)  # and a damaged eval.json, before a card is drawn
     sources = [Path(f) for f in figure_files]
     repo = repo or str(folder)
 
@@ -346,4 +378,4 @@ def write_model_card(
             shutil.copyfile(f, tmp / f.name)
         write_card_files(tmp, eval_results, repo, figures)
 
-    return write_mask_folder(folder, fill)
+    return update_mask_folder(folder, fill)

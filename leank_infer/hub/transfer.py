@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..folders.names import MAX_LOCAL_PATH, repo_id_problem, revision_problem
-from ..mask.format import ALLOW_PATTERNS, CONFIG_FILE, MASK_FILE, MaskError
+from ..mask.folder import read_repo_files
+from ..mask.format import (
+    ALLOW_PATTERNS,
+    CONFIG_FILE,
+    MASK_FILE,
+    MAX_REPO_BYTES,
+    MAX_REPO_FILES,
+    MaskError,
+    file_limit,
+)
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -58,6 +67,9 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     local = Path(path_or_repo)
     try:
         if local.is_dir():
+            if revision is not None:
+                raise MaskError(f"{repo_id[:200]!r} is a local folder, which has no revisions; revision "
+                                f"{revision!r} names a branch, tag or commit of a Hub repo (drop it, or give a repo id)")
             return local
         exists = local.exists()
         why = "it is not a folder" if exists else "no such folder"
@@ -84,7 +96,17 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     if is_offline():
         hub_kwargs["local_files_only"] = True
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, **hub_kwargs))
+        folder = None
+        if revision is not None and _COMMIT_RE.fullmatch(revision) and not hub_kwargs.get("local_files_only"):
+            try:  # a commit pulled before is served from the cache without a request (its sizes were checked then)
+                folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                                **{**hub_kwargs, "local_files_only": True}))
+            except LocalEntryNotFoundError:
+                folder = None
+        if folder is None:
+            names = None if hub_kwargs.get("local_files_only") else checked_download(repo_id, revision, hub_kwargs)
+            allow = ALLOW_PATTERNS if names is None else names  # None: the Hub cannot be asked; the cache is used
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, **hub_kwargs))
     except HFValidationError as e:
         raise MaskError(f"{repo_id!r} is neither a local folder nor a valid Hub repo id: {e}") from None
     except RevisionNotFoundError:
@@ -116,6 +138,41 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     return folder
 
 
+def checked_download(repo_id: str, revision: str | None, hub_kwargs: dict[str, Any]) -> list[str] | None:
+    """The files of the repo that a pull downloads, once their sizes (the Hub's listing) are checked against
+    the limits a mask folder is read with (:func:`~leank_infer.mask.format.file_limit`, a count and a total),
+    so nothing over them is downloaded at all. Only top-level mask repo files: ``*.png`` must not pull a
+    folder of photos. None when the Hub cannot be asked (unreachable: the cache is used, as before)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"))
+    try:
+        entries = list(api.list_repo_tree(repo_id, revision=revision, recursive=True))
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
+        raise  # named by the caller, as snapshot_download's own
+    except Exception:  # noqa: BLE001 - unreachable, refused, down: snapshot_download decides (cache or error)
+        return None
+    sizes = {
+        e.path: int(getattr(e, "size", 0) or 0) for e in entries
+        if getattr(e, "size", None) is not None and "/" not in e.path
+        and any(fnmatch.fnmatch(e.path, pat) for pat in ALLOW_PATTERNS)
+    }
+    where = _where(repo_id, revision)
+    if len(sizes) > MAX_REPO_FILES:
+        raise MaskError(f"{where} holds {len(sizes)} mask repo files; a mask repo has at most {MAX_REPO_FILES} "
+                        "(nothing was downloaded)")
+    big = [(n, b) for n, b in sorted(sizes.items()) if b > file_limit(n)]
+    if big:
+        name, size = big[0]
+        raise MaskError(f"{where}: {name} is {size:,} bytes; a mask's {name} may hold at most {file_limit(name):,} "
+                        "(nothing was downloaded)")
+    if sum(sizes.values()) > MAX_REPO_BYTES:
+        raise MaskError(f"{where}: its mask repo files hold {sum(sizes.values()):,} bytes together; at most "
+                        f"{MAX_REPO_BYTES:,} (nothing was downloaded)")
+    return sorted(sizes)
+
+
 def _explain_missing(
     repo_id: str, revision: str | None, folder: Path, missing: list[str], hub_kwargs: dict[str, Any]
 ) -> None:
@@ -145,16 +202,13 @@ def _explain_missing(
     raise MaskError(message)
 
 
-def mask_repo_files(folder: str | os.PathLike) -> dict[str, Path]:
-    """The files of a mask repo folder that are pushed: top-level :data:`ALLOW_PATTERNS` matches, by name."""
+def mask_repo_files(folder: str | os.PathLike) -> dict[str, bytes]:
+    """The files of a mask repo folder that are pushed, by name: top-level :data:`ALLOW_PATTERNS` matches, read
+    once as regular files inside the folder (a link or anything else is refused; what is uploaded is what was read)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MaskError(f"{folder} is not a folder")
-    files = {
-        p.name: p
-        for p in sorted(folder.iterdir())
-        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in ALLOW_PATTERNS)
-    }
+    files = read_repo_files(folder)
     missing = [name for name in (MASK_FILE, CONFIG_FILE) if name not in files]
     if missing:
         raise MaskError(f"{folder} has no {' and no '.join(missing)}: nothing to push")
@@ -194,7 +248,7 @@ def upload_folder(
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision is not None and revision != "main":
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
     return api.create_commit(
         repo_id,
         operations,

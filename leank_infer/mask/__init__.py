@@ -10,7 +10,7 @@ folder) -> ``channel_mask`` (ChannelMask) -> ``fit`` (does a mask fit a model), 
 from .binarize import binarize, check_ratio_align
 from .channel_mask import ChannelMask
 from .fit import check_fit
-from .folder import check_mask_target, is_mask_repo, write_mask_folder
+from .folder import check_mask_target, is_mask_repo, update_mask_folder, write_mask_folder
 from .format import (
     ALLOW_PATTERNS,
     CONFIG_FILE,
@@ -37,5 +37,6 @@ __all__ = [
     "is_mask_repo",
     "model_positions",
     "model_shape",
+    "update_mask_folder",
     "write_mask_folder",
 ]

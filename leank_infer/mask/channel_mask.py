@@ -14,15 +14,13 @@ from typing import Any
 
 import torch
 
-from ..folders.names import MAX_LOCAL_PATH, inner_file_problem, revision_problem
+from ..folders.names import MAX_LOCAL_PATH, control_characters, inner_file_problem, revision_problem
 from .binarize import binarize, check_ratio_align
-from .folder import parse_config, read_mask_files, read_safetensors, write_mask_folder
+from .folder import check_config_header, parse_config, read_mask_files, read_safetensors, write_mask_folder
 from .format import (
     CONFIG_FILE,
     MASK_FILE,
     MAX_TOKENS,
-    READ_VERSIONS,
-    REQUIRED_KEYS,
     MaskError,
     check_config_overrides,
     format_version,
@@ -88,9 +86,10 @@ class ChannelMask:
                 raise MaskError(f"{name} must be a string or null, got {type(value).__name__}")
         for name in ("base_model", "adapter"):  # a local path or a Hub id: either fits the file system's limits
             value = getattr(self, name)
-            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255):
+            if value is not None and (not value or len(value) > MAX_LOCAL_PATH or max(map(len, value.split("/"))) > 255
+                                      or control_characters(value)):
                 raise MaskError(f"{name} {value[:80]!r}{'...' if len(value) > 80 else ''} is neither a folder path "
-                                "nor a Hub repo id (empty, or a name too long for any file system)")
+                                "nor a Hub repo id (empty, too long for any file system, or with control characters)")
         for name in ("base_revision", "adapter_revision"):
             value = getattr(self, name)
             if value is not None and revision_problem(value):
@@ -269,14 +268,7 @@ class ChannelMask:
         cfg_path, mask_path = folder / CONFIG_FILE, folder / MASK_FILE
         cfg_bytes, mask_bytes = read_mask_files(folder)
         cfg = parse_config(cfg_bytes, cfg_path)
-        version = cfg.get("format_version")
-        if type(version) is not int or version not in READ_VERSIONS:
-            raise MaskError(
-                f"{cfg_path}: unknown format_version {version!r} (this leank reads versions {READ_VERSIONS})"
-            )
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise MaskError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
+        check_config_header(cfg, cfg_path)
         for key in ("num_layers", "num_kv_heads", "head_dim"):
             if type(cfg[key]) is not int or cfg[key] < 1:
                 raise MaskError(f"{cfg_path}: {key} must be a positive integer, got {cfg[key]!r}")

@@ -50,6 +50,9 @@ ALLOW_PATTERNS = [MASK_FILE, CONFIG_FILE, "README.md", "eval.json", "*.png", "LI
 # sizes (a 126-layer x 8-head x 128-channel mask with scores is 0.6 MB) and JSON only this deep.
 MAX_CONFIG_BYTES = 1 << 20
 MAX_MASK_BYTES = 64 << 20
+MAX_OTHER_BYTES = 8 << 20  # the card, eval.json, a plot, the LICENSE (the committed ones are < 0.3 MB)
+MAX_REPO_FILES = 24  # mask, config, card, eval.json, LICENSE and the plots
+MAX_REPO_BYTES = 96 << 20  # all of a mask repo's files together, pushed or pulled
 MAX_JSON_DEPTH = 32
 MAX_TOKENS = 2**31 - 1  # sink/recent/accumulation sizes: no model has more positions
 # from_pretrained options a mask's config_overrides may never set: they choose what code and which
@@ -64,6 +67,11 @@ LOADER_KEYWORDS = frozenset({
     "adapter_name", "adapter_kwargs", "output_loading_info", "generation_config", "pretrained_model_name_or_path",
     "auto_map", "architectures", "model_type", "name_or_path", "transformers_version", "kwargs",
 })
+
+
+def file_limit(name: str) -> int:
+    """The most bytes a mask repo's file ``name`` may hold (read, pushed or downloaded)."""
+    return {MASK_FILE: MAX_MASK_BYTES, CONFIG_FILE: MAX_CONFIG_BYTES}.get(name, MAX_OTHER_BYTES)
 
 
 class MaskError(ValueError):

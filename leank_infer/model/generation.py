@@ -31,9 +31,13 @@ from ..decode.attention import ATTN_IMPLEMENTATION
 from ..decode.cache import LeanKCache
 from ..decode.layer_handoff import LeanKCacheError
 from ..decode.layout import row_starts
+from ..decode.rule import DENSE_PREFILL
 from ..mask import ChannelMask
 
-__all__ = ["CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "uninstall"]
+__all__ = [
+    "CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "installed_rule",
+    "uninstall",
+]
 
 #: The keyword ``generate`` and the models' ``forward`` take the cache under, in this transformers.
 CACHE_KWARG: str = _generation_utils.ALL_CACHE_NAMES[0]
@@ -41,6 +45,7 @@ _CACHE_NAMES = ("cache", "past_key_values")
 _MASK_ATTR = "_leank_mask"
 _DENSE_ATTR = "_leank_dense_attn_implementation"
 _DENSE_UNTIL_ATTR = "_leank_dense_until"
+_RULE_ATTR = "_leank_rule"
 
 
 def cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +90,8 @@ def _leank_prepare_cache_for_generation(
                 "model decodes with its own LeanKCache: drop cache_implementation from the call or the "
                 "generation config (model.generation_config.cache_implementation = None)"
             )
-        cache = LeanKCache(mask, config=self.config, dense_until=getattr(self, _DENSE_UNTIL_ATTR, 0))
+        cache = LeanKCache(mask, config=self.config, dense_until=getattr(self, _DENSE_UNTIL_ATTR, 0),
+                           rule=getattr(self, _RULE_ATTR, DENSE_PREFILL))
         model_kwargs[CACHE_KWARG] = cache
         _hint_row_starts(cache, model_kwargs)
         if getattr(generation_config, "is_assistant", False):
@@ -112,9 +118,9 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def install(model: Any, mask: ChannelMask, dense_until: int = 0) -> None:
+def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DENSE_PREFILL) -> None:
     """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``
-    (with ``dense_until``, see :class:`~leank_infer.decode.cache.LeanKCache`).
+    (with ``dense_until`` and ``rule``, see :class:`~leank_infer.decode.cache.LeanKCache`).
 
     This object only; installing again replaces the mask (the model decodes with the last one). The
     mask must already be checked against the model (``mask.validate(model.config)``). The attention
@@ -129,6 +135,7 @@ def install(model: Any, mask: ChannelMask, dense_until: int = 0) -> None:
     set_attn_implementation(model, ATTN_IMPLEMENTATION)
     setattr(model, _MASK_ATTR, mask)
     setattr(model, _DENSE_UNTIL_ATTR, int(dense_until))
+    setattr(model, _RULE_ATTR, rule)
     model._prepare_cache_for_generation = types.MethodType(_leank_prepare_cache_for_generation, model)
 
 
@@ -136,7 +143,7 @@ def uninstall(model: Any) -> None:
     """Give ``model`` its own attention implementation and ``generate`` its own cache choice back."""
     set_attn_implementation(model, getattr(model, _DENSE_ATTR, "sdpa"))
     model.__dict__.pop("_prepare_cache_for_generation", None)
-    for attr in (_MASK_ATTR, _DENSE_ATTR, _DENSE_UNTIL_ATTR):
+    for attr in (_MASK_ATTR, _DENSE_ATTR, _DENSE_UNTIL_ATTR, _RULE_ATTR):
         model.__dict__.pop(attr, None)
 
 
@@ -157,3 +164,8 @@ def dense_decoding(model: Any) -> Iterator[None]:
 def installed_mask(model: Any) -> ChannelMask | None:
     """The mask :func:`install` gave ``model`` (None if it has none)."""
     return getattr(model, _MASK_ATTR, None)
+
+
+def installed_rule(model: Any) -> str | None:
+    """The rule :func:`install` gave ``model`` (None if it has none)."""
+    return getattr(model, _RULE_ATTR, None)

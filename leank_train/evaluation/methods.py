@@ -8,6 +8,11 @@ that get the same mask together. The baselines spend the learned mask's K budget
 - :class:`ThinK`: query-driven selection per prompt (ThinK): per KV head keep the channels with the
   largest ``|Q_window| * |K|`` column-norm product, the same count in every head.
 
+A LeanK method decodes by a rule (``rule``: ``"dense-prefill"`` or ``"positional"``, see
+:class:`leank_infer.LeanKModel`; None, the default: the evaluated model's ``lm.rule``). Under
+``"positional"`` the prompt's attention depends on the mask, so such a method prefills on its own
+(:func:`.prefill.decode`) instead of sharing the batch's dense prefill.
+
 Nothing here keeps state between calls: a method's fields are its settings.
 """
 
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from leank_infer import ChannelMask
+from leank_infer.decode.rule import DENSE_PREFILL
 
 from .prefill import Prefill
 
@@ -27,10 +33,12 @@ class Method:
     """Which channels a method decodes with; ``window`` > 0 asks the prefill to record that many queries.
 
     ``name`` labels its answers (a second learned mask in the same run is ``Learned("leank-r80", mask)``).
+    ``rule``: the LeanK rule its masks decode by (None: the evaluated model's, ``lm.rule``).
     """
 
     name: str = ""
     window: int = 0
+    rule: str | None = None
 
     def mask(self, lm: Any, prefill: Prefill, row: int) -> ChannelMask | None:
         """The mask row ``row`` of ``prefill`` decodes with (None: every channel, the model's own cache)."""
@@ -53,6 +61,7 @@ class Learned(Method):
 
     name: str = "leank"
     learned: ChannelMask | None = None
+    rule: str | None = None
 
     def mask(self, lm, prefill, row):
         return self.learned if self.learned is not None else lm.mask
@@ -67,6 +76,7 @@ class RandomChannels(Method):
     seed: int = 0
     like: ChannelMask | None = None
     fixed: ChannelMask | None = None
+    rule: str | None = None
 
     def mask(self, lm, prefill, row):
         return self.fixed if self.fixed is not None else random_mask_like(self.like or lm.mask, self.seed)
@@ -80,6 +90,7 @@ class ThinK(Method):
     name: str = "think"
     window: int = 32
     like: ChannelMask | None = None
+    rule: str | None = None
 
     def mask(self, lm, prefill, row):
         start = int(prefill.starts[row])
@@ -93,10 +104,15 @@ METHODS: dict[str, type[Method]] = {m().name: m for m in (Full, Learned, RandomC
 
 
 def method(name: str) -> Method:
-    """The method called ``name`` with its default settings."""
+    """The method called ``name`` with its default settings (a LeanK method: the evaluated model's rule)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     return METHODS[name]()
+
+
+def rule_of(method: Method, lm: Any) -> str:
+    """The rule ``method`` decodes by: its own, else the evaluated model's (``lm.rule``), else dense-prefill."""
+    return method.rule or getattr(lm, "rule", DENSE_PREFILL)
 
 
 def random_mask_like(mask: ChannelMask, seed: int = 0) -> ChannelMask:

@@ -1,12 +1,14 @@
 """One dense prefill per batch of probes, shared by every method, and greedy decoding from it.
 
-LeanK prefills with full attention (docs/rule.md, "The decode schedule"): the prompt's forward, its K/V and its first answer token
-are the same for the full model, the learned mask and both baselines. Only what the cache keeps of those
+LeanK's default rule (``"dense-prefill"``, docs/rule.md, "The decode schedule") prefills with full attention: the prompt's forward, its K/V and its
+first answer token are the same for the full model, the learned mask and both baselines. Only what the cache keeps of those
 K/V differs, and so the decode steps. So a batch of left-padded prompts is prefilled once, dense; each
 method then gets a cache filled from those K/V (a ``DynamicCache`` for the full model, a ``LeanKCache``
 of its mask otherwise: the cache compresses the prompt exactly as in its own prefill) and decodes from
 the first token on. That is the same computation as ``generate`` per method, with the prefill done once
-instead of four times; a test holds the answers equal to each method's own ``generate``.
+instead of four times; a test holds the answers equal to each method's own ``generate``. Under the
+``"positional"`` rule the prompt attends by the mask too, so a method decoding by it prefills on its own:
+``generate`` from the prompt with a LeanK cache of that rule.
 
 ThinK selects channels from the prompt's queries: the prefill can record each layer's last ``window``
 post-RoPE queries. The recorder is handed to the attention function through the forward's keyword
@@ -24,6 +26,7 @@ import torch
 
 from leank_infer import ChannelMask
 from leank_infer.decode.cache import LeanKCache, fill_from_prefill
+from leank_infer.decode.rule import DENSE_PREFILL, POSITIONAL, check_rule
 from leank_infer.model.generation import CACHE_KWARG
 
 #: the attention implementation of a recording prefill: the model's dense attention, plus the recorder
@@ -134,21 +137,33 @@ def _eos_ids(lm: Any) -> set[int]:
 
 
 @torch.no_grad()
-def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int) -> list[list[int]]:
+def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
+           rule: str = DENSE_PREFILL) -> list[list[int]]:
     """Greedy answer tokens of each row with ``mask`` (None: the full model), up to ``max_new_tokens``,
-    ending before the first end-of-sequence token: what ``generate`` returns after this prefill."""
+    ending before the first end-of-sequence token: what ``generate`` returns after this prefill. With
+    ``rule="positional"`` a mask's answers come from its own prefill (``generate`` from the prompt)."""
     eos = _eos_ids(lm)
+    pad = next(iter(eos)) if eos else 0
+    if check_rule(rule) == POSITIONAL and mask is not None:
+        cache = LeanKCache(mask, config=lm.model.config, rule=POSITIONAL)
+        out = lm.model.generate(input_ids=pre.input_ids, attention_mask=pre.attention_mask, **{CACHE_KWARG: cache},
+                                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        return _until_eos(out[:, pre.input_ids.shape[1]:], eos)
     first = pre.first.unsqueeze(-1)
     tokens = first
     if max_new_tokens > 1 and not all(int(t) in eos for t in pre.first):
         ids = torch.cat([pre.input_ids, first], -1)
         attn = torch.cat([pre.attention_mask, torch.ones_like(first)], -1)
         cache = _filled_cache(lm, mask, pre)
-        pad = next(iter(eos)) if eos else 0
         with lm.dense() if mask is None else contextlib.nullcontext():
             out = lm.model.generate(input_ids=ids, attention_mask=attn, **{CACHE_KWARG: cache},
                                     max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=pad)
         tokens = torch.cat([first, out[:, ids.shape[1]:]], -1)
+    return _until_eos(tokens, eos)
+
+
+def _until_eos(tokens: torch.Tensor, eos: set[int]) -> list[list[int]]:
+    """Each row's tokens before its first end-of-sequence token."""
     rows = []
     for row in tokens.tolist():
         cut = next((i for i, t in enumerate(row) if t in eos), len(row))
@@ -157,8 +172,8 @@ def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int)
 
 
 def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_new_tokens: int,
-                key: Callable[[ChannelMask | None], Any] | None = None) -> list[list[int]]:
-    """Row ``i`` decoded with ``masks[i]``: rows that share a mask decode together, in one batch."""
+                key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DENSE_PREFILL) -> list[list[int]]:
+    """Row ``i`` decoded with ``masks[i]`` by ``rule``: rows that share a mask decode together, in one batch."""
     key = key or mask_key
     groups: dict[Any, list[int]] = {}
     for i, m in enumerate(masks):
@@ -166,7 +181,7 @@ def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_
     answers: list[list[int]] = [[] for _ in masks]
     for rows in groups.values():
         part = pre if len(rows) == len(masks) else pre.select(rows)
-        for i, tokens in zip(rows, decode(lm, masks[rows[0]], part, max_new_tokens), strict=True):
+        for i, tokens in zip(rows, decode(lm, masks[rows[0]], part, max_new_tokens, rule), strict=True):
             answers[i] = tokens
     return answers
 
