@@ -1,4 +1,4 @@
-"""The vLLM backend's Triton paged decode against its PyTorch path, on triton's CPU interpreter (fp16, fp32).
+"""The vLLM backend's Triton paged decode against the dense rule, on triton's CPU interpreter (fp16, fp32).
 
 Like tests/test_triton_decode.py: the interpreter needs TRITON_INTERPRET=1 before triton is first
 imported; in a full run something imported it already, so the file reruns itself in a fresh process.
@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 from test_vllm_parts import dense_leank, paged_case  # noqa: E402
 
-from leank_infer.vllm.paged_decode import paged_decode  # noqa: E402
 from leank_infer.vllm.triton_paged import triton_paged_decode  # noqa: E402
 
 
@@ -43,8 +42,8 @@ def interpreted(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mid", [(16, 140), (16, 16), (3, 149), (5, 90)])
-def test_triton_paged_equals_the_torch_path(dtype, mid, monkeypatch):
-    """Kernel vs the PyTorch paged decode on the same shuffled pages; several splits when SPLIT_TOKENS is small."""
+def test_triton_paged_equals_the_dense_rule(dtype, mid, monkeypatch):
+    """Kernel on shuffled pages vs the dense rule; several splits when SPLIT_TOKENS is small."""
     from leank_infer.vllm import triton_paged
 
     monkeypatch.setattr(
@@ -54,12 +53,8 @@ def test_triton_paged_equals_the_torch_path(dtype, mid, monkeypatch):
     keep, layout, q, k, v, pages, block_row = paged_case(dtype, seed=1)
     full = torch.cat([torch.arange(sink), torch.arange(mid_end, k.shape[0])])
     got = triton_paged_decode(q, k[full], v[full], pages, block_row, sink, mid_end, layout, 0.125)
-    ref = paged_decode(
-        q.float(), k[full].float(), v[full].float(), pages.float(), block_row, sink, mid_end, layout, 0.125
-    )
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
     want = dense_leank(q, k, v, keep, sink, mid_end, 0.125)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
