@@ -1,21 +1,28 @@
-"""LeanK's CPU decode kernel against vLLM's own CPU attention kernel, one decode step's layer calls, side by side.
+"""LeanK's CPU decode kernel against vLLM's own CPU attention kernel: one decode step's 30 layer calls, side by side.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_kernel.py [--batches 1,4,16,64] [--contexts 2048,8192]
-        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--real-rows]
+        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3]
 
 The equal-work comparison: the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), every
-request at the same context, the same batch and the same threads (``torch.set_num_threads``). vLLM's column is
-``ops.cpu_attention_with_kv_cache`` as ``CPUAttentionBackendImpl.forward`` calls it for decode (its scheduler
-metadata built as its metadata builder does, with its ISA choice and its default split-KV), over dense pages in
-shuffled blocks of 128 tokens (vLLM's CPU default); it does the same work in every layer. LeanK's column is
-:func:`leank_infer.vllm.cpu_decode.decode` for every layer of the mask, over pages as the engine writes them
-(window pages for the sink and window, packed rows for the rest, shuffled blocks of 16 tokens: the plugin's
-default), averaged over the layers. Each figure is the median wall time of repeated calls, in microseconds per
-layer call; ``x`` is vLLM's time over LeanK's (above 1: LeanK is faster).
+request at the same context, the same batch and the same threads (``torch.set_num_threads``), one decode step =
+one call per layer for the 30 layers of the mask, each layer reading its own memory (as in the engine: a step
+streams every layer's K/V once, so nothing stays in cache from one call of a layer to the next).
 
-By default each layer's packed pages hold that layer's columns only (a batch of 64 x 8k tokens of the real
-30-layer rows would take 9 GB); ``--real-rows`` gives the packed rows the worker's real width (every layer's
-columns side by side), as the engine has them, for the sizes that fit in memory.
+- **vLLM**: ``ops.cpu_attention_with_kv_cache`` as ``CPUAttentionBackendImpl.forward`` calls it for decode (its
+  scheduler metadata built as its metadata builder does, once per step and not timed, with its ISA choice and its
+  default split-KV), over dense pages in shuffled blocks of 128 tokens (vLLM's CPU default), one cache per layer
+  (cycled over as many copies as ``--memory-gb`` allows).
+- **LeanK**: :func:`leank_infer.vllm.cpu_decode.decode` over the pages as the plugin lays them out today
+  (:mod:`leank_infer.vllm.pool`: one packed row per token holding every layer's columns, 17 KB here; window
+  pages for the sink and window; shuffled blocks of 16 tokens, the plugin's default).
+- **LeanK, layer-major page** (not the plugin's layout; for the lead): the same bytes per page, but inside a
+  page each layer's columns of the block's tokens are one contiguous run (``[layer][token][column]``), which
+  the same kernel reads through a view. It shows what the token-major row costs: a layer reads a ~0.6 KB slice
+  every 17 KB, which this machine serves at a fraction of its streaming bandwidth.
+
+Each figure is the median wall time of a whole step (the two or three alternating, so that a loaded machine
+disturbs them alike), in milliseconds; ``x`` is vLLM's time over LeanK's (above 1: LeanK is faster). The LeanK
+pools hold ``batch x context`` tokens of 17 KB: sizes past ``--memory-gb`` are left out (``-``).
 """
 
 from __future__ import annotations
@@ -103,6 +110,20 @@ def leank_pages(plan, batch: int, context: int, g: torch.Generator, bs: int = 16
     return packed, table, window, wtable
 
 
+def layer_major(pool: torch.Tensor, plan, layer: int):  # noqa: ANN001
+    """``plan``'s layer ``layer`` read from ``pool`` as if its pages were laid out layer by layer: a view
+    ``[blocks, block_size, width]`` of the page's run for that layer, and a slot starting at column 0."""
+    import dataclasses
+
+    slot = plan.slots[layer]
+    nb, bs, row = pool.shape
+    view = torch.as_strided(
+        pool, (nb, bs, slot.packed_width), (pool.stride(0), slot.packed_width, 1),
+        pool.storage_offset() + bs * slot.packed_offset,
+    )  # fmt: skip
+    return view, dataclasses.replace(slot, packed_offset=0)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_kernel.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
@@ -110,8 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--block-size", type=int, default=16, help="LeanK's page size (vLLM's stays 128)")
-    p.add_argument("--real-rows", action="store_true", help="packed rows of the worker's real width")
-    p.add_argument("--budget", type=float, default=0.4, help="seconds of calls per figure")
+    p.add_argument("--memory-gb", type=float, default=3.0, help="the most each side's pages may take")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
     from leank_infer.vllm import cpu_decode
@@ -124,48 +145,75 @@ def main(argv: list[str] | None = None) -> list[dict]:
     mask = ChannelMask.from_pretrained(args.mask)
     hkv, d = mask.num_kv_heads, mask.head_dim
     layers = [i for i in range(mask.num_layers) if i not in mask.dense_layers]
+    plan = WorkerPlan.build(mask, layers, block_size=args.block_size)
     g = torch.Generator().manual_seed(0)
     rows = []
     print(
         f"load {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs; mask {Path(args.mask).name}, "
-        f"{len(layers)} layers; LeanK blocks of {args.block_size}, {'real' if args.real_rows else 'per-layer'} rows"
+        f"{len(layers)} layers, packed row {plan.packed_row * 4} B; LeanK blocks of {args.block_size}"
     )
-    print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM us':>9} | {'LeanK us':>9} | {'x':>5}")
-    if args.real_rows:
-        real = WorkerPlan.build(mask, layers, block_size=args.block_size)
-        plans = {i: real for i in layers}
-    else:
-        plans = {i: WorkerPlan.build(mask, [i], block_size=args.block_size) for i in layers}
-    widest = max(layers, key=lambda i: plans[i].packed_row)
+    print(
+        f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM ms':>8} | {'LeanK ms':>8} {'x':>5} | {'layer-major':>11} {'x':>5}"
+    )
+    budget = args.memory_gb * 2**30
     for context in [int(x) for x in args.contexts.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
-            vcall, isa = vllm_call(batch, context, hkv, d, g)
+            tokens = batch * context
+            if tokens * plan.packed_row * 4 > budget:
+                for threads in [int(x) for x in args.threads.split(",")]:
+                    print(f"{batch:>5} {context:>6} {threads:>3} | {'-':>8} | {'-':>8} {'':>5} | {'-':>11}")
+                continue
+            copies = int(max(1, min(len(layers), budget // (tokens * 2 * hkv * d * 4))))
+            vcalls = [vllm_call(batch, context, hkv, d, g) for _ in range(copies)]
+            isa = vcalls[0][1]
             q = torch.randn(batch, HQ, d, generator=g)
             seq = torch.full((batch,), context, dtype=torch.int32)
-            # one set of random pages, as wide as the widest layer's rows; each layer views its own row width
-            big, table, window, wtable = leank_pages(plans[widest], batch, context, g, args.block_size)
-            calls = []
+            packed, table, window, wtable = leank_pages(plan, batch, context, g, args.block_size)
+            today = [(q, packed, table, window, wtable, seq, plan, plan.slots[i], d**-0.5) for i in layers]
+            major = []
             for i in layers:
-                plan = plans[i]
-                packed = big.view(-1)[: big.shape[0] * big.shape[1] * plan.packed_row].view(
-                    big.shape[0], big.shape[1], plan.packed_row
-                )
-                call_args = (q, packed, table, window, wtable, seq, plan, plan.slots[i], d**-0.5)
-                calls.append(lambda a=call_args: cpu_decode.decode(*a))
+                view, slot = layer_major(packed, plan, i)
+                major.append((q, view, table, window, wtable, seq, plan, slot, d**-0.5))
+
+            def vllm_step(vcalls=vcalls) -> None:
+                for j in range(len(layers)):
+                    vcalls[j % len(vcalls)][0]()
+
+            def leank_step(calls) -> None:  # noqa: ANN001
+                for a in calls:
+                    cpu_decode.decode(*a)
+
             for threads in [int(x) for x in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                t_vllm = median_us(vcall, args.budget)
-                t_l = statistics.fmean(median_us(c, args.budget / 3) for c in calls)
+                steps = {
+                    "vllm": vllm_step,
+                    "today": lambda t=today: leank_step(t),
+                    "major": lambda m=major: leank_step(m),
+                }
+                times: dict[str, list[float]] = {k: [] for k in steps}
+                for k in steps.values():
+                    k()  # warm-up (and vLLM's scheduler metadata for this thread count)
+                for _ in range(args.steps):
+                    for k, fn in steps.items():
+                        t = time.perf_counter()
+                        fn()
+                        times[k].append(1e3 * (time.perf_counter() - t))
+                med = {k: statistics.median(v) for k, v in times.items()}
                 row = dict(
-                    batch=batch, context=context, threads=threads, vllm_us=t_vllm, leank_us=t_l, isa=isa
+                    batch=batch,
+                    context=context,
+                    threads=threads,
+                    isa=isa,
+                    **{f"{k}_ms": v for k, v in med.items()},
                 )
                 rows.append(row)
                 print(
-                    f"{batch:>5} {context:>6} {threads:>3} | {t_vllm:>9.0f} | {t_l:>9.0f} | {t_vllm / t_l:>5.2f}",
+                    f"{batch:>5} {context:>6} {threads:>3} | {med['vllm']:>8.1f} | {med['today']:>8.1f} "
+                    f"{med['vllm'] / med['today']:>5.2f} | {med['major']:>11.1f} {med['vllm'] / med['major']:>5.2f}",
                     flush=True,
                 )
-            del vcall, big, window, calls
-    print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa']}")
+            del vcalls, packed, window, today, major
+    print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa'] if rows else '?'}")
     return rows
 
 

@@ -25,8 +25,9 @@ if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 EMBEDDED = dict(sink_size=16, recent_size=64, accumu_size=16)  # the embedded SmolLM2 masks' sizes
 REAL = dict(sink_size=128, recent_size=768, accumu_size=128)  # the Llama / Qwen reference masks' sizes
-# p < sink, p < recent, around the window's first step, a few tiles, many tiles
-LENGTHS = [1, 9, 17, 50, 80, 81, 97, 113, 300, 700, 1500]
+# p < sink, p < recent, either side of the window's steps (p - recent at, before and after a multiple of
+# accumu), a few tiles, many tiles
+LENGTHS = [1, 9, 17, 50, 80, 81, 96, 97, 113, 300, 700, 1500, 1504]
 
 
 @pytest.fixture(autouse=True)
@@ -99,22 +100,46 @@ def test_real_masks_sizes(heads, q_heads, counts):
     check(pg, run(pg, 2), TOL[torch.float32])
 
 
-@pytest.mark.parametrize("counts", [[0], [24]], ids=["keeps-nothing", "keeps-everything"])
+@pytest.mark.parametrize("counts", [[0], [20]], ids=["keeps-nothing", "keeps-everything"])
 def test_a_layer_keeping_nothing_or_everything(counts):
     """A layer whose heads keep no channel (its packed row is one padding element: only sink and window keys are
-    seen) and one keeping every channel (the middle is plain attention over packed rows); head_dim 24 (no
-    multiple of 16: the kernel's scalar tails)."""
-    mask = random_mask(2, 2, 24, counts, align=8, **EMBEDDED)
+    seen) and one keeping every channel (the middle is plain attention over packed rows); head_dim 20 (no
+    multiple of 8: the kernel's scalar tails)."""
+    mask = random_mask(2, 2, 20, counts, align=4, **EMBEDDED)
     pg = random_pages(mask, LENGTHS, q_heads=4, seed=7)
     check(pg, run(pg, 2), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("group", [1, 10], ids=["mha", "gqa-10"])
 def test_any_group_size(group):
-    """One query head per KV head, and more than the 8 the kernel keeps in registers at once."""
-    mask = random_mask(1, 2, 64, [40, 16], **EMBEDDED)
+    """One query head per KV head, and more than the 8 the kernel keeps in registers at once; kept counts that
+    are no multiple of 8 (13: the scalar tail of the kept-channel dot)."""
+    mask = random_mask(1, 2, 64, [40, 13], **EMBEDDED)
     pg = random_pages(mask, [30, 200, 1200], q_heads=2 * group, seed=8)
     check(pg, run(pg, 2), TOL[torch.float32])
+
+
+def test_no_sink():
+    """sink_size 0: the recent window from max(0, rf) (rf < 0 while p < recent), the middle from key 0."""
+    mask = random_mask(1, 2, 32, [8, 24], sink_size=0, recent_size=64, accumu_size=16)
+    pg = random_pages(mask, [1, 30, 64, 65, 80, 96, 400], q_heads=4, seed=11)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None), (torch.float32, "e4m3")]
+)
+def test_a_nan_the_kernel_reads_shows_in_the_result(dtype, fp8):
+    """What every test above relies on: a NaN in a slot the kernel reads (here a channel of KV head 0 in the
+    query's own K) reaches the output of every query head of that KV head, in every storage dtype (so the NaN
+    pages catch any stray read)."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [300, 300], q_heads=9, dtype=dtype, fp8=fp8, seed=12)
+    bs, p = pg.packed.shape[1], 299
+    block = int(pg.window_table[1, p // bs])
+    pg.window[block, p % bs, pg.slot.window_offset + 5] = 0x7F if fp8 else float("nan")
+    got = run(pg, 2)
+    assert torch.isfinite(got[0]).all() and torch.isnan(got[1, :3]).all() and torch.isfinite(got[1, 3:]).all()
 
 
 def test_the_thread_count_does_not_change_a_bit():

@@ -1,0 +1,123 @@
+"""The vLLM plugin's CPU decode kernel over an HF-style sequence against the HF path's decode attention.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_kernel_hf.py [--contexts 2048,8192] [--batches 1,4]
+        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3]
+
+For the question whether the transformers path could call the same kernel: per decode step and all 30 layers
+of the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), the HF path as ``leank
+generate``/``leank bench`` run it (``LeanKLayer.update`` of the new token, then the ``"leank"`` attention:
+:mod:`leank_infer.decode.torch_decode`'s fast path, as ``benchmarks/decode_layer.py`` times it) against
+:func:`leank_infer.vllm.cpu_decode.decode` over pages where each request's tokens are one contiguous run
+(block table ``0..n-1`` from its first block, blocks of 16: what an HF sequence would look like), the new
+token already written. Wall time, median of repeated steps, milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+HQ, HKV, D = 9, 3, 64
+
+
+class _Attn(nn.Module):
+    is_causal = True
+    num_key_value_groups = HQ // HKV
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def measure(mask, plan, ctx: int, batch: int, threads: str, steps: int, g: torch.Generator) -> list:  # noqa: ANN001
+    """(threads, HF ms, kernel ms) per step for each thread count."""
+    from leank_infer.decode.attention import leank_attention_forward
+    from leank_infer.decode.cache import LeanKLayer
+    from leank_infer.vllm import cpu_decode
+
+    layers = list(range(mask.num_layers))
+    # HF: the cache after a prefill of ctx - 1 tokens; each timed step adds one token and attends
+    k0, v0 = (torch.randn(batch, HKV, ctx - 1, D, generator=g) for _ in range(2))
+    q, k1, v1 = (torch.randn(batch, h, 1, D, generator=g) for h in (HQ, HKV, HKV))
+    module = _Attn()
+
+    def hf_step(cache: list) -> None:
+        for layer in cache:
+            kw: dict = {}
+            kk, vv = layer.update(k1, v1, kwargs=kw)
+            leank_attention_forward(module, q, kk, vv, None, scaling=D**-0.5, **kw)
+
+    # kernel: every request one contiguous run of blocks, in the real 30-layer rows
+    per_req = -(-ctx // 16)
+    packed = torch.randn(batch * per_req + 1, 16, plan.packed_row, generator=g)
+    window = torch.randn(batch * per_req + 1, 16, plan.window_row, generator=g)
+    table = (1 + torch.arange(batch * per_req, dtype=torch.int32)).view(batch, per_req)
+    seq = torch.full((batch,), ctx, dtype=torch.int32)
+    qk = q[:, :, 0].contiguous()
+
+    def kernel_step() -> None:
+        for i in layers:
+            cpu_decode.decode(qk, packed, table, window, table, seq, plan, plan.slots[i], D**-0.5)
+
+    rows = []
+    for t in (int(x) for x in threads.split(",")):
+        torch.set_num_threads(t)
+        hf = []
+        for _ in range(steps):  # a fresh cache per step: every step sees ctx tokens
+            cache = [
+                LeanKLayer(mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size) for i in layers
+            ]
+            for layer in cache:
+                layer.update(k0, v0, kwargs={})
+            start = time.perf_counter()
+            hf_step(cache)
+            hf.append(time.perf_counter() - start)
+        rows.append((t, 1e3 * statistics.median(hf), median_ms(kernel_step, steps)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/vllm_kernel_hf.py", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
+    p.add_argument("--contexts", default="2048,8192")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--steps", type=int, default=15)
+    args = p.parse_args(argv)
+    from leank_infer.mask import ChannelMask
+    from leank_infer.vllm import cpu_decode
+    from leank_infer.vllm.pool import WorkerPlan
+
+    assert cpu_decode.available()
+    mask = ChannelMask.from_pretrained(args.mask)
+    plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=16)
+    print(f"load {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs; mask {Path(args.mask).name}")
+    print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'HF ms':>7} | {'kernel ms':>9} | {'x':>5}")
+    g = torch.Generator().manual_seed(0)
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            for threads, t_hf, t_k in measure(mask, plan, ctx, batch, args.threads, args.steps, g):
+                print(
+                    f"{batch:>5} {ctx:>6} {threads:>3} | {t_hf:>7.2f} | {t_k:>9.2f} | {t_hf / t_k:>5.2f}",
+                    flush=True,
+                )
+    print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end")
+
+
+if __name__ == "__main__":
+    main()
