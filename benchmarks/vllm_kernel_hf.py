@@ -9,7 +9,8 @@ generate``/``leank bench`` run it (``LeanKLayer.update`` of the new token, then 
 :mod:`leank_infer.decode.torch_decode`'s fast path, as ``benchmarks/decode_layer.py`` times it) against
 :func:`leank_infer.vllm.cpu_decode.decode` over pages where each request's tokens are one contiguous run
 (block table ``0..n-1`` from its first block, blocks of 16: what an HF sequence would look like), the new
-token already written. Wall time, median of repeated steps, milliseconds per step.
+token already written. Median of repeated steps, milliseconds per step: CPU time of the calling thread on one
+thread, wall time on more.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ class _Attn(nn.Module):
     num_key_value_groups = HQ // HKV
 
 
+def clock() -> float:
+    """CPU time of the calling thread on one thread (less disturbed by other jobs), else wall time."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def median_ms(fn, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return 1e3 * statistics.median(times)
 
 
@@ -82,9 +88,9 @@ def measure(mask, plan, ctx: int, batch: int, threads: str, steps: int, g: torch
             ]
             for layer in cache:
                 layer.update(k0, v0, kwargs={})
-            start = time.perf_counter()
+            start = clock()
             hf_step(cache)
-            hf.append(time.perf_counter() - start)
+            hf.append(clock() - start)
         rows.append((t, 1e3 * statistics.median(hf), median_ms(kernel_step, steps)))
     return rows
 

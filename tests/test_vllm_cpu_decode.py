@@ -187,6 +187,24 @@ def test_kernels_decode_runs_the_kernel_on_cpu_and_the_reference_without_it(monk
     assert caplog.text.count("CPU decode kernel is not available") == 1
 
 
+def test_tensors_the_kernel_does_not_cover_take_the_reference(monkeypatch, caplog):
+    """Pages whose rows are not contiguous in a block (and any dtype the kernel does not read) go to the PyTorch
+    path, with one warning; the kernel is not called."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [20, 300], q_heads=9, seed=13)
+    wide = torch.full((pg.packed.shape[0], pg.packed.shape[1], pg.packed.shape[2] + 3), float("nan"))
+    wide[:, :, : pg.packed.shape[2]] = pg.packed
+    pg.packed = wide[:, :, : pg.packed.shape[2]]  # rows 3 elements apart: not the engine's layout
+    assert not cpu_decode.supports(pg.q, pg.packed, pg.window)
+    monkeypatch.setattr(cpu_decode, "decode", lambda *a: pytest.fail("the kernel was called"))
+    monkeypatch.setattr(kernels, "_warned", set())
+    args = (pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot, 0.125)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        check(pg, kernels.decode(*args), TOL[torch.float32])
+        kernels.decode(*args)
+    assert caplog.text.count("does not cover") == 1
+
+
 def test_a_failed_build_is_logged_and_leaves_the_kernel_off(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_decode, "_tried", False)
     monkeypatch.setattr(cpu_decode, "_lib", None)

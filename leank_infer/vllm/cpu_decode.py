@@ -2,23 +2,26 @@
 
 One call reads each request's keys where the engine wrote them (:mod:`~leank_infer.vllm.pool`): the sink and
 the recent window with every channel from the window pages, the middle with each KV head's kept channels from
-the packed rows, both through the block tables, with no gather. Work is split over (request, KV head) pairs,
-run on the engine's threads (``torch.get_num_threads()``, which vLLM's CPU worker sets and binds); when there
-are too few pairs to keep the threads busy (a small batch, or a mask keeping few heads) long middles are cut
-into slices of whole tiles whose partial softmax states are merged afterwards. Each piece scores its keys in
-tiles of 128 (an online softmax, one rescale per tile), the query heads of one KV head together so that each
-key and value row is loaded once for all of them. Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through
-a 256-entry table; the K scale rides on the query, the V scale on the output); accumulation is fp32.
+the packed rows, both through the block tables, with no gather. The work is cut into pieces: per (request, KV
+head) one piece with its full-channel keys and the first ``SPLIT`` middle keys, then one per further ``SPLIT``
+middle keys (a batch of one request still keeps every thread busy); pieces run longest first on the engine's
+threads (OpenMP, ``torch.get_num_threads()``, which vLLM's CPU worker sets and binds), and a request's pieces
+merge their softmax states afterwards, as in flash-decoding. The cut depends on the lengths only, so the result
+is the same to the bit at any thread count. A piece scores its keys in tiles of 128 (online softmax, one
+rescale per tile), the query heads of one KV head together so that each key and value row is loaded once for
+all of them (8-float vectors, scalar tails for any head_dim and kept count). Storage is fp32, bf16, fp16 or
+fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides on the query, the V scale on the output);
+accumulation is fp32.
 
-**Why C++ through ctypes with OpenMP** (``benchmarks/vllm_kernel_build.py`` measures the alternatives):
-it is the fastest of the three at every batch (ctypes adds a few microseconds per call), it builds in a few
-seconds with the system compiler (vLLM's CPU build already needs one for ``torch.compile``) and needs no
-Python or PyTorch headers, and its OpenMP threads are the engine's own (it links the ``libgomp.so.1`` that
-PyTorch has already loaded, so vLLM's thread count and core binding apply and nothing oversubscribes).
-``torch.utils.cpp_extension.load_inline`` runs the same source as fast but takes about a minute to build
-(PyTorch headers) and needs ninja and the Python headers; numba needs no compiler but compiles for tens of
-seconds on first use, reloads its cache in about a second per process, runs on a thread pool of its own,
-and was slower per call.
+**Why C++ through ctypes with OpenMP** (``benchmarks/vllm_kernel_build.py`` measures the alternatives; the
+numbers are in its docstring): it was the fastest per call, it builds in seconds with the system compiler (no
+Python or PyTorch headers; vLLM's CPU backend compiles the model with ``torch.compile``, which needs that
+compiler anyway unless ``enforce_eager``), and its OpenMP threads are the engine's own: the library links
+``libgomp.so.1``, which resolves to the one PyTorch has loaded, so vLLM's thread count and core binding apply
+and nothing oversubscribes. ``torch.utils.cpp_extension.load_inline`` runs the same source no faster but
+builds for a minute or more (PyTorch headers) and needs ninja and the Python headers; numba needs no compiler
+but JIT-compiles for tens of seconds on first use and about two seconds in every later process, was several
+times slower per call, and its OpenMP layer loads a second OpenMP runtime with threads of its own.
 
 The library is compiled the first time a LeanK layer decodes on the CPU, into ``~/.cache/leank/vllm-kernel/``
 (or ``$LEANK_CACHE``), keyed by the source, the flags, the compiler and the CPU (``-march=native``); later
