@@ -215,62 +215,70 @@ static void v_any(int gb, const float *p, const typename L::T *const *vr, int64_
     }
 }
 
-struct Scratch {  // one thread's buffers
+struct Scratch {  // one thread's buffers, for all Hq query heads of a request
     float *s, *qf, *qk, *acc, *m, *l;
-    const void **kr, **vr;
+    const void **rows, **kr, **vr;
 };
 
-// Keys [a, e) of one request's pages (rows at base + table[pos / bs] * block_stride + (pos % bs) * row + col)
-// for the G query heads of one KV head: scores over n channels with q (rows D apart), values of D channels at
-// column vcol, folded tile by tile into the online softmax (m, l, acc).
+// Keys [a, e) of one request's pages (token pos's row at base + table[pos / bs] * block_stride + (pos % bs) *
+// row) for the KV heads h in heads[0..nh): scores of its G query heads over n[h] channels at column kcol[h]
+// (queries q + h * G * D, rows D apart), values of D channels at column vcol[h], folded tile by tile into the
+// online softmax of those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one
+// after the other: a token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
 template <class L>
-static void keys(const Args &A, int64_t G, const typename L::T *base, int64_t block_stride, int64_t row,
-                 const int32_t *table, int64_t kcol, int64_t vcol, int64_t n, const float *q, int64_t a, int64_t e,
-                 Scratch &S) {
+static void keys(const Args &A, const typename L::T *base, int64_t block_stride, int64_t row, const int32_t *table,
+                 const int64_t *heads, int64_t nh, const int64_t *kcol, const int64_t *vcol, const int64_t *n,
+                 const float *q, int64_t a, int64_t e, Scratch &S) {
     typedef typename L::T T;
-    const int64_t bs = A.block_size, D = A.D;
-    const T **kr = (const T **)S.kr, **vr = (const T **)S.vr;
+    const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
+    const T **rows = (const T **)S.rows, **kr = (const T **)S.kr, **vr = (const T **)S.vr;
     for (int64_t t0 = a; t0 < e; t0 += TILE) {
         const int64_t nt = e - t0 < TILE ? e - t0 : TILE;  // the tile clamp
         for (int64_t t = 0; t < nt; t++) {
             const int64_t pos = t0 + t;
-            const T *r = base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row;
-            kr[t] = r + kcol;
-            vr[t] = r + vcol;
+            rows[t] = base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row;
         }
-        for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-            const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-            dot_any<L>(gb, q + g0 * D, D, kr, nt, n, A.lut, S.s + g0 * TILE);
-        }
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = S.s + g * TILE;
-            float mx = S.m[g];
-            for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;
-            bool nan = false;
-            for (int64_t t = 0; t < nt; t++) nan |= sg[t] != sg[t];
-            if (nan) mx = NAN;  // a NaN read anywhere must show in the result
-            const float c = exp_f(S.m[g] - mx);  // first tile: exp(-inf) = 0
-            float sum = 0.f;
+        for (int64_t i = 0; i < nh; i++) {
+            const int64_t h = heads[i];
             for (int64_t t = 0; t < nt; t++) {
-                const float w = exp_f(sg[t] - mx);
-                sg[t] = w;
-                sum += w;
+                kr[t] = rows[t] + kcol[h];
+                vr[t] = rows[t] + vcol[h];
             }
-            S.l[g] = S.l[g] * c + sum;
-            S.m[g] = mx;
-            float *ag = S.acc + g * D;
-            for (int64_t d = 0; d < D; d++) ag[d] *= c;
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-            const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-            v_any<L>(gb, S.s + g0 * TILE, vr, nt, D, A.lut, S.acc + g0 * D);
+            float *s = S.s + h * G * TILE, *m = S.m + h * G, *l = S.l + h * G, *acc = S.acc + h * G * D;
+            for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+                const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+                dot_any<L>(gb, q + (h * G + g0) * D, D, kr, nt, n[h], A.lut, s + g0 * TILE);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = s + g * TILE;
+                float mx = m[g];
+                for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;
+                bool nan = false;
+                for (int64_t t = 0; t < nt; t++) nan |= sg[t] != sg[t];
+                if (nan) mx = NAN;  // a NaN read anywhere must show in the result
+                const float c = exp_f(m[g] - mx);  // first tile: exp(-inf) = 0
+                float sum = 0.f;
+                for (int64_t t = 0; t < nt; t++) {
+                    const float w = exp_f(sg[t] - mx);
+                    sg[t] = w;
+                    sum += w;
+                }
+                l[g] = l[g] * c + sum;
+                m[g] = mx;
+                float *ag = acc + g * D;
+                for (int64_t d = 0; d < D; d++) ag[d] *= c;
+            }
+            for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+                const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+                v_any<L>(gb, s + g0 * TILE, vr, nt, D, A.lut, acc + g0 * D);
+            }
         }
     }
 }
 
-struct Item {  // a piece of one (request, KV head): the full-channel keys (split 0) and/or a middle slice
-    int64_t b, h, mid_a, mid_e, full, cost;
-    int64_t part;  // its partial result's slot, -1: writes the output directly (the pair has one piece)
+struct Item {  // a piece of one request: its full-channel keys (the first piece) and/or a slice of its middle
+    int64_t b, mid_a, mid_e, full, cost;
+    int64_t part;  // its partial result's slot, -1: writes the output directly (the request has one piece)
 };
 
 static int by_cost(const void *x, const void *y) {
@@ -286,98 +294,136 @@ static inline float q_at(const Args &A, int64_t i) {
 
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
+struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
+    int64_t *all, *mid, n_mid;           // every KV head; those keeping any channel
+    int64_t *full_k, *full_v, *full_n;   // [Hkv] columns of head h's K and V in a window row, D channels
+    int64_t *mid_k, *mid_n;              // [Hkv] first kept K column of head h in a packed row, how many
+};
+
 template <class L>
-static void run_item(const Args &A, const Item &it, Scratch &S, float *parts) {
+static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, float *parts) {
     typedef typename L::T T;
-    const int64_t G = A.Hq / A.Hkv, D = A.D, b = it.b, h = it.h, HD = A.Hkv * D;
+    const int64_t Hq = A.Hq, G = Hq / A.Hkv, D = A.D, b = it.b;
     const int64_t p = (int64_t)A.seq_lens[b] - 1;
     const double qscale = A.scale * A.k_scale;  // stored K are k / k_scale: the scale rides on q
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t qh = h * G + g;
-        for (int64_t d = 0; d < D; d++) S.qf[g * D + d] = (float)(q_at(A, (b * A.Hq + qh) * D + d) * qscale);
+    for (int64_t qh = 0; qh < Hq; qh++) {
+        const int64_t h = qh / G;
+        for (int64_t d = 0; d < D; d++) S.qf[qh * D + d] = (float)(q_at(A, (b * Hq + qh) * D + d) * qscale);
         const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
-        for (int64_t c = 0; c < nk; c++) S.qk[g * D + c] = S.qf[g * D + A.k_ch[c0 + c]];
-        S.m[g] = -INFINITY;
-        S.l[g] = 0.f;
+        for (int64_t c = 0; c < nk; c++) S.qk[qh * D + c] = S.qf[qh * D + A.k_ch[c0 + c]];
+        S.m[qh] = -INFINITY;
+        S.l[qh] = 0.f;
     }
-    memset(S.acc, 0, sizeof(float) * (size_t)(G * D));
+    memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
     if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, window pages
         const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
         const T *w = (const T *)A.window + A.window_offset;
         const int32_t *wt = A.window_table + b * A.window_table_stride;
         const int64_t sink_end = A.sink < p + 1 ? A.sink : p + 1;
         const int64_t rec = A.sink > rf ? A.sink : rf;
-        keys<L>(A, G, w, A.window_block_stride, A.window_row, wt, h * D, HD + h * D, D, S.qf, 0, sink_end, S);
-        keys<L>(A, G, w, A.window_block_stride, A.window_row, wt, h * D, HD + h * D, D, S.qf, rec, p + 1, S);
+        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf, 0,
+                sink_end, S);
+        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf,
+                rec, p + 1, S);
     }
-    if (it.mid_e > it.mid_a) {  // middle: the head's kept channels, packed pages
+    if (it.mid_e > it.mid_a) {  // middle: each head's kept channels, packed pages
         const T *pk = (const T *)A.packed + A.packed_offset;
         const int32_t *pt = A.packed_table + b * A.packed_table_stride;
-        keys<L>(A, G, pk, A.packed_block_stride, A.packed_row, pt, A.k_off[h], A.v_col[h],
-                A.k_off[h + 1] - A.k_off[h], S.qk, it.mid_a, it.mid_e, S);
+        keys<L>(A, pk, A.packed_block_stride, A.packed_row, pt, H.mid, H.n_mid, H.mid_k, A.v_col, H.mid_n, S.qk,
+                it.mid_a, it.mid_e, S);
     }
     if (it.part < 0) {
-        for (int64_t g = 0; g < G; g++) {
-            const float inv = (float)(A.v_scale / S.l[g]);
-            float *o = A.out + (b * A.Hq + h * G + g) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = S.acc[g * D + d] * inv;
+        for (int64_t qh = 0; qh < Hq; qh++) {
+            const float inv = (float)(A.v_scale / S.l[qh]);
+            float *o = A.out + (b * Hq + qh) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = S.acc[qh * D + d] * inv;
         }
     } else {
-        float *pp = parts + it.part * G * (D + 2);
-        for (int64_t g = 0; g < G; g++) {
-            pp[g * (D + 2)] = S.m[g];
-            pp[g * (D + 2) + 1] = S.l[g];
-            memcpy(pp + g * (D + 2) + 2, S.acc + g * D, sizeof(float) * (size_t)D);
+        float *pp = parts + it.part * Hq * (D + 2);
+        for (int64_t qh = 0; qh < Hq; qh++) {
+            pp[qh * (D + 2)] = S.m[qh];
+            pp[qh * (D + 2) + 1] = S.l[qh];
+            memcpy(pp + qh * (D + 2) + 2, S.acc + qh * D, sizeof(float) * (size_t)D);
         }
+    }
+}
+
+// The k pieces of request b (partials from slot f on), in piece order (so any thread count gives the same
+// bits). A head without middle keys has an empty state (m = -inf, l = 0) in every piece but the first.
+static void merge(const Args &A, int64_t b, int64_t k, int64_t f, const float *parts) {
+    const int64_t Hq = A.Hq, D = A.D;
+    for (int64_t qh = 0; qh < Hq; qh++) {
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < k; j++) {
+            const float mj = parts[((f + j) * Hq + qh) * (D + 2)];
+            mx = (mj > mx || mj != mj) ? mj : mx;
+        }
+        float l = 0.f;
+        float *o = A.out + (b * Hq + qh) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            const float *pp = parts + ((f + j) * Hq + qh) * (D + 2);
+            if (pp[1] == 0.f && pp[0] == -INFINITY) continue;  // a head with no key in this piece
+            const float c = exp_f(pp[0] - mx);
+            l += pp[1] * c;
+            for (int64_t d = 0; d < D; d++) o[d] += pp[2 + d] * c;
+        }
+        const float inv = (float)(A.v_scale / l);
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
 }
 
 template <class L>
 static int run(const Args &A) {
-    const int64_t B = A.B, Hkv = A.Hkv, G = A.Hq / A.Hkv, D = A.D;
-    // Pieces: the full-channel keys of each (request, KV head) with the first slice of its middle, then one
-    // piece per further `split` middle keys (whole tiles), their partial softmax states merged below
-    // (flash-decoding). The cut depends on the lengths alone, never on the thread count: every thread count
-    // gives the same bits.
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B * Hkv + 1));
-    if (!first) return 1;
-    int64_t *splits = first + B * Hkv;
+    const int64_t B = A.B, Hkv = A.Hkv, Hq = A.Hq, D = A.D;
+    // Pieces: per request one with its full-channel keys and the first `split` middle keys, then one per further
+    // `split` middle keys (whole tiles), each over every KV head; their partial softmax states are merged
+    // (flash-decoding) by the thread that finishes a request's last piece. The cut depends on the lengths alone,
+    // never on the thread count: every thread count gives the same bits.
+    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B + 8 * Hkv + 1));
+    if (!buf64) return 1;
+    int64_t *first = buf64, *splits = first + B, *left = splits + B;  // left: pieces of the request not yet done
+    Heads H;
+    H.all = left + B, H.mid = H.all + Hkv, H.full_k = H.mid + Hkv, H.full_v = H.full_k + Hkv;
+    H.full_n = H.full_v + Hkv, H.mid_k = H.full_n + Hkv, H.mid_n = H.mid_k + Hkv;
+    H.n_mid = 0;
+    int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
+    for (int64_t h = 0; h < Hkv; h++) {
+        H.all[h] = h, H.full_k[h] = h * D, H.full_v[h] = (Hkv + h) * D, H.full_n[h] = D;
+        H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
+        if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
+    }
     int64_t n_items = 0, n_parts = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
         const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
-        const int64_t mid = rf > A.sink ? rf - A.sink : 0;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t k = A.v_col[h] >= 0 && mid > A.split ? (mid + A.split - 1) / A.split : 1;
-            splits[b * Hkv + h] = k;
-            first[b * Hkv + h] = k > 1 ? n_parts : -1;
-            n_items += k;
-            if (k > 1) n_parts += k;
-        }
+        const int64_t mid = H.n_mid && rf > A.sink ? rf - A.sink : 0;
+        const int64_t k = mid > A.split ? (mid + A.split - 1) / A.split : 1;
+        splits[b] = left[b] = k;
+        first[b] = k > 1 ? n_parts : -1;
+        n_items += k;
+        if (k > 1) n_parts += k;
     }
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)n_items);
-    float *parts = n_parts ? (float *)malloc(sizeof(float) * (size_t)(n_parts * G * (D + 2))) : NULL;
+    float *parts = n_parts ? (float *)malloc(sizeof(float) * (size_t)(n_parts * Hq * (D + 2))) : NULL;
     if (!items || (n_parts && !parts)) {
-        free(first), free(items), free(parts);
+        free(buf64), free(items), free(parts);
         return 1;
     }
     int64_t i = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
         const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
-        const int64_t mid = rf > A.sink ? rf - A.sink : 0;
+        const int64_t m = H.n_mid && rf > A.sink ? rf - A.sink : 0;
         const int64_t full = (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - (A.sink > rf ? A.sink : rf));
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t k = splits[b * Hkv + h], nk = A.k_off[h + 1] - A.k_off[h];
-            const int64_t m = A.v_col[h] >= 0 ? mid : 0;
-            for (int64_t j = 0; j < k; j++) {
-                Item &it = items[i++];
-                it.b = b, it.h = h, it.full = j == 0;
-                it.mid_a = A.sink + j * A.split;
-                it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
-                it.cost = (it.full ? full * 2 * D : 0) + (it.mid_e - it.mid_a) * (nk + D) + 1;
-                it.part = k > 1 ? first[b * Hkv + h] + j : -1;
-            }
+        const int64_t k = splits[b];
+        for (int64_t j = 0; j < k; j++) {
+            Item &it = items[i++];
+            it.b = b, it.full = j == 0;
+            it.mid_a = A.sink + j * A.split;
+            it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
+            it.cost = (it.full ? full * 2 * Hkv * D : 0) + (it.mid_e - it.mid_a) * mid_width + 1;
+            it.part = k > 1 ? first[b] + j : -1;
         }
     }
     qsort(items, (size_t)n_items, sizeof(Item), by_cost);  // longest first: dynamic scheduling balances the rest
@@ -387,49 +433,29 @@ static int run(const Args &A) {
 #pragma omp parallel num_threads(threads)
     {
         Scratch S;
-        const size_t nf = (size_t)(G * TILE + 3 * G * D + 2 * G);
+        const size_t nf = (size_t)(Hq * TILE + 3 * Hq * D + 2 * Hq);
         float *buf = (float *)malloc(sizeof(float) * nf);
-        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * TILE);
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 3 * TILE);
         if (!buf || !ptrs) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            S.s = buf, S.qf = S.s + G * TILE, S.qk = S.qf + G * D, S.acc = S.qk + G * D, S.m = S.acc + G * D;
-            S.l = S.m + G, S.kr = ptrs, S.vr = ptrs + TILE;
+            S.s = buf, S.qf = S.s + Hq * TILE, S.qk = S.qf + Hq * D, S.acc = S.qk + Hq * D, S.m = S.acc + Hq * D;
+            S.l = S.m + Hq, S.rows = ptrs, S.kr = ptrs + TILE, S.vr = ptrs + 2 * TILE;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < n_items; j++)
-            if (buf && ptrs) run_item<L>(A, items[j], S, parts);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j = 0; j < n_items; j++) {
+            if (!buf || !ptrs) continue;
+            const Item &it = items[j];
+            run_item<L>(A, H, it, S, parts);
+            // the last piece of a request to finish merges them: no barrier for it
+            if (it.part >= 0 && __atomic_sub_fetch(&left[it.b], 1, __ATOMIC_ACQ_REL) == 0)
+                merge(A, it.b, splits[it.b], first[it.b], parts);
+        }
         free(buf);
         free(ptrs);
-        if (n_parts) {  // merge the slices of each cut (request, KV head), in slice order
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < B * Hkv; bh++) {
-                const int64_t k = splits[bh];
-                if (k == 1) continue;
-                const int64_t b = bh / Hkv, h = bh % Hkv, f = first[bh];
-                for (int64_t g = 0; g < G; g++) {
-                    float mx = -INFINITY;
-                    for (int64_t j = 0; j < k; j++) {
-                        const float mj = parts[((f + j) * G + g) * (D + 2)];
-                        mx = (mj > mx || mj != mj) ? mj : mx;
-                    }
-                    float l = 0.f;
-                    float *o = A.out + (b * A.Hq + h * G + g) * D;
-                    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                    for (int64_t j = 0; j < k; j++) {
-                        const float *pp = parts + ((f + j) * G + g) * (D + 2);
-                        const float c = exp_f(pp[0] - mx);
-                        l += pp[1] * c;
-                        for (int64_t d = 0; d < D; d++) o[d] += pp[2 + d] * c;
-                    }
-                    const float inv = (float)(A.v_scale / l);
-                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
-                }
-            }
-        }
     }
-    free(first), free(items), free(parts);
+    free(buf64), free(items), free(parts);
     return failed;
 }
 
