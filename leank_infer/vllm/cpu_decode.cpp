@@ -252,10 +252,7 @@ static void keys(const Args &A, const typename L::T *base, int64_t block_stride,
             for (int64_t g = 0; g < G; g++) {
                 float *sg = s + g * TILE;
                 float mx = m[g];
-                for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;
-                bool nan = false;
-                for (int64_t t = 0; t < nt; t++) nan |= sg[t] != sg[t];
-                if (nan) mx = NAN;  // a NaN read anywhere must show in the result
+                for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;  // a NaN score stays in w below
                 const float c = exp_f(m[g] - mx);  // first tile: exp(-inf) = 0
                 float sum = 0.f;
                 for (int64_t t = 0; t < nt; t++) {
