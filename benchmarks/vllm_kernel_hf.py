@@ -9,7 +9,8 @@ generate``/``leank bench`` run it (``LeanKLayer.update`` of the new token, then 
 :mod:`leank_infer.decode.torch_decode`'s fast path, as ``benchmarks/decode_layer.py`` times it) against
 :func:`leank_infer.vllm.cpu_decode.decode` over pages where each request's tokens are one contiguous run
 (block table ``0..n-1`` from its first block, blocks of 16: what an HF sequence would look like), the new
-token already written. Median of repeated steps, milliseconds per step: CPU time of the calling thread on one
+token already written; and the kernel over per-layer stores (each layer's packed rows alone, one contiguous run:
+the layout an HF cache would give it, "own rows"). Median of repeated steps, milliseconds per step: CPU time of the calling thread on one
 thread, wall time on more.
 """
 
@@ -78,6 +79,20 @@ def measure(mask, plan, ctx: int, batch: int, threads: str, steps: int, g: torch
         for i in layers:
             cpu_decode.decode(qk, packed, table, window, table, seq, plan, plan.slots[i], D**-0.5)
 
+    # kernel over per-layer stores (each layer's packed rows alone, contiguous: the HF cache's own layout)
+    from leank_infer.vllm.pool import WorkerPlan
+
+    own = []
+    window1 = torch.randn(batch * per_req + 1, 16, 2 * HKV * D, generator=g)  # one layer's full rows
+    for i in layers:
+        p1 = WorkerPlan.build(mask, [i], block_size=16)
+        pk = torch.randn(batch * per_req + 1, 16, p1.packed_row, generator=g)
+        own.append((qk, pk, table, window1, table, seq, p1, p1.slots[i], D**-0.5))
+
+    def own_step() -> None:
+        for a in own:
+            cpu_decode.decode(*a)
+
     rows = []
     for t in (int(x) for x in threads.split(",")):
         torch.set_num_threads(t)
@@ -91,7 +106,9 @@ def measure(mask, plan, ctx: int, batch: int, threads: str, steps: int, g: torch
             start = clock()
             hf_step(cache)
             hf.append(clock() - start)
-        rows.append((t, 1e3 * statistics.median(hf), median_ms(kernel_step, steps)))
+        rows.append(
+            (t, 1e3 * statistics.median(hf), median_ms(kernel_step, steps), median_ms(own_step, steps))
+        )
     return rows
 
 
@@ -113,13 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     mask = ChannelMask.from_pretrained(args.mask)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=16)
     print(f"load {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs; mask {Path(args.mask).name}")
-    print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'HF ms':>7} | {'kernel ms':>9} | {'x':>5}")
+    print(
+        f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'HF ms':>7} | {'kernel ms':>9} {'x':>5} | {'own rows':>9} {'x':>5}"
+    )
     g = torch.Generator().manual_seed(0)
     for ctx in (int(x) for x in args.contexts.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            for threads, t_hf, t_k in measure(mask, plan, ctx, batch, args.threads, args.steps, g):
+            for threads, t_hf, t_k, t_o in measure(mask, plan, ctx, batch, args.threads, args.steps, g):
                 print(
-                    f"{batch:>5} {ctx:>6} {threads:>3} | {t_hf:>7.2f} | {t_k:>9.2f} | {t_hf / t_k:>5.2f}",
+                    f"{batch:>5} {ctx:>6} {threads:>3} | {t_hf:>7.2f} | {t_k:>9.2f} {t_hf / t_k:>5.2f} | "
+                    f"{t_o:>9.2f} {t_hf / t_o:>5.2f}",
                     flush=True,
                 )
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end")
