@@ -24,6 +24,27 @@ Each figure is the median time of a whole step (the three alternating, so that a
 alike), in milliseconds: CPU time of the calling thread on one thread (where every kernel runs), wall time on
 more; ``x`` is vLLM's time over LeanK's (above 1: LeanK is faster). The LeanK
 pools hold ``batch x context`` tokens of 17 KB: sizes past ``--memory-gb`` are left out (``-``).
+
+Measured on the 2-core development VM (Xeon, AVX-512) at commit f44db16, load average 5.5 from other jobs (so
+the 2-thread wall times say little; the 1-thread CPU times are the comparison):
+
+    batch    ctx thr |  vLLM ms | LeanK ms     x | layer-major     x
+        1   2048   1 |     13.5 |     10.7  1.26 |         7.2  1.87
+        1   2048   2 |    609.9 |    326.7  1.87 |       332.0  1.84
+        4   2048   1 |     52.6 |     47.0  1.12 |        31.3  1.68
+        4   2048   2 |    386.4 |    372.0  1.04 |       376.0  1.03
+       16   2048   1 |    202.5 |    178.1  1.14 |       120.2  1.68
+       16   2048   2 |    734.1 |    714.0  1.03 |       582.1  1.26
+       64   2048   1 |    804.9 |    899.4  0.89 |       539.7  1.49
+       64   2048   2 |   1783.9 |   1964.0  0.91 |      1295.4  1.38
+        1   8192   1 |     57.7 |     40.5  1.43 |        28.7  2.01
+        1   8192   2 |    512.0 |    295.4  1.73 |       277.2  1.85
+        4   8192   1 |    224.6 |    169.3  1.33 |       112.1  2.00
+        4   8192   2 |    479.6 |    395.1  1.21 |       305.3  1.57
+       16   8192   1 |    818.5 |    735.1  1.11 |       461.0  1.78
+       16   8192   2 |   1388.7 |   1334.2  1.04 |       850.0  1.63
+       64   8192   1 |        - |        -       |           -
+       64   8192   2 |        - |        -       |           -
 """
 
 from __future__ import annotations

@@ -13,6 +13,19 @@ For each: the first build (an empty cache, in a fresh process), the start of a l
 import, load, first call), and the median time of a layer call of the embedded SmolLM2's shapes (9 query
 heads, 3 KV heads, head_dim 64, fp32) over the mask ``hub/smollm2-135m-instruct-s3``'s layers (mean over the
 layers), every request at the same context, blocks of 16; threads from ``--threads``. Prints a table.
+
+Measured on the 2-core development VM (Xeon, AVX-512; load average 6-9 from other jobs, so the 2-thread wall
+times are not meaningful and only the order of the 1-thread ones is), with the kernel of commit fb884ea (one
+piece per request and KV head; the same source for ctypes and load_inline):
+
+    method        first use   later process   us per layer call, 1 thread (2k x1, 2k x16, 8k x1, 8k x16)
+    ctypes           10.2 s          0.25 s      114     6102     1488    45487
+    load_inline     122.4 s         13.60 s      128     8870      719    55433
+    numba            28.1 s          1.91 s      551    41269     5612   160285
+
+ctypes and load_inline run the same code (their differences are noise); numba is 4-5x slower per call. A
+later process pays 13.6 s with load_inline (it re-checks its build with ninja) and ~2 s with numba (its cache
+reload), 0.25 s with ctypes (import, load, first call).
 """
 
 from __future__ import annotations

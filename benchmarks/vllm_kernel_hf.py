@@ -12,6 +12,16 @@ generate``/``leank bench`` run it (``LeanKLayer.update`` of the new token, then 
 token already written; and the kernel over per-layer stores (each layer's packed rows alone, one contiguous run:
 the layout an HF cache would give it, "own rows"). Median of repeated steps, milliseconds per step: CPU time of the calling thread on one
 thread, wall time on more.
+
+Measured on the 2-core development VM (Xeon, AVX-512) at commit 0d715fc, one thread (CPU time), load average
+3.4-4.2 from other jobs (the 2-thread wall times of an earlier run at load 3-4 were 5-15x the 1-thread ones
+for the HF path: meaningless; not repeated):
+
+    batch    ctx thr |   HF ms | kernel ms     x |  own rows     x
+        1   2048   1 |   12.85 |      8.90  1.44 |      7.39  1.74
+        4   2048   1 |   31.50 |     42.81  0.74 |     28.08  1.12
+        1   8192   1 |   31.32 |     39.90  0.79 |     26.67  1.17
+        4   8192   1 |   87.70 |    234.79  0.37 |    108.45  0.81
 """
 
 from __future__ import annotations
