@@ -58,7 +58,8 @@ def test_settings_come_from_additional_config_or_the_environment(monkeypatch):
 
 
 def paged_case(dtype=torch.float32, seed=0, n_tokens=150, block_size=16):
-    """A request's K/V in shuffled pages plus the dense reference inputs: 4 KV heads x 2 queries, one head keeping nothing."""
+    """A request's K/V in shuffled pages plus the dense reference inputs: 4 KV heads x 2 queries, one head keeping nothing
+    (the Triton paged kernel's test case, tests/test_vllm_triton_paged.py)."""
     g = torch.Generator().manual_seed(seed)
     hkv, grp, d = 4, 2, 32
     keep = torch.rand(hkv, d, generator=g) < 0.3
@@ -92,103 +93,3 @@ def dense_leank(q, k, v, keep, sink, mid_end, scale):
             s[:, sink:mid_end] = float("-inf")
         out.append(torch.softmax(s, -1) @ v[:, h])
     return torch.cat(out)
-
-
-@pytest.mark.parametrize("mid", [(16, 100), (16, 16), (3, 149)])
-def test_paged_decode_equals_the_dense_rule(mid):
-    """Middle keys read from shuffled packed pages give the LeanK rule's attention (fp32 vs fp64 dense)."""
-    from leank_infer.vllm.paged_decode import paged_decode
-
-    sink, mid_end = mid
-    keep, layout, q, k, v, pages, block_row = paged_case()
-    full = torch.cat([torch.arange(sink), torch.arange(mid_end, k.shape[0])])
-    got = paged_decode(q, k[full], v[full], pages, block_row, sink, mid_end, layout, 0.125)
-    # the dense rule over the same keys, in position order (the softmax does not care about order)
-    want = dense_leank(q, k, v, keep, sink, mid_end, 0.125)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-
-
-def batch_case(hkv=4, grp=2, d=32, bs=16, seed=3, align=1):
-    """Three requests of different lengths in one shuffled pool (one head keeps nothing): the batched
-    inputs and each request's dense-rule answer. ``align``: kept channels per head are a multiple of it."""
-    g = torch.Generator().manual_seed(seed)
-    sink = 5
-    keep = torch.rand(hkv, d, generator=g) < 0.3
-    if align > 1:
-        keep = torch.zeros(hkv, d, dtype=torch.bool)
-        for h in range(hkv):
-            keep[h, torch.randperm(d, generator=g)[: align * (1 + h % (d // align))]] = True
-    keep[1] = False
-    layout = PackedLayout.from_keep(keep)
-    lengths, mid_ends = [150, 61, 40], [100, 45, 5]  # the last one has no middle key at all
-    nblocks = sum(-(-n // bs) for n in lengths)
-    order = torch.randperm(nblocks + 3, generator=g)
-    pages = torch.randn(nblocks + 3, bs, layout.width, generator=g)  # unused slots hold other finite rows
-    table = torch.zeros(3, -(-max(lengths) // bs), dtype=torch.int32)
-    qs, fks, fvs, wants = [], [], [], []
-    used = 0
-    for i, (n, end) in enumerate(zip(lengths, mid_ends, strict=True)):
-        k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
-        q = torch.randn(hkv * grp, d, generator=g)
-        nb = -(-n // bs)
-        table[i, :nb] = order[used : used + nb].int()
-        used += nb
-        pos = torch.arange(n)
-        pages.view(-1, layout.width)[table[i].long()[pos // bs] * bs + pos % bs] = layout.pack(k, v)
-        full = torch.cat([torch.arange(sink), torch.arange(max(end, sink), n)])
-        qs.append(q), fks.append(k[full]), fvs.append(v[full])
-        wants.append(dense_leank(q, k, v, keep, sink, max(end, sink), 0.125))
-    full_k = torch.nn.utils.rnn.pad_sequence(fks, batch_first=True)
-    full_v = torch.nn.utils.rnn.pad_sequence(fvs, batch_first=True)
-    full_len = torch.tensor([t.shape[0] for t in fks])
-    args = (torch.stack(qs), full_k, full_v, full_len, pages, table, sink, mid_ends, layout, 0.125)
-    return args, wants
-
-
-def test_paged_decode_batch_equals_each_request_alone():
-    """One batched call over requests of different lengths: each equals the dense rule alone (padding of the
-    shorter requests' full keys and middle blocks gets no weight)."""
-    from leank_infer.vllm.paged_decode import paged_decode_batch
-
-    args, wants = batch_case()
-    got = paged_decode_batch(*args)
-    for i in range(3):
-        torch.testing.assert_close(got[i].double(), wants[i], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [dict(), dict(hkv=3, grp=3, d=64, bs=128, align=16), dict(align=8), dict(grp=9, d=32), dict(d=24, bs=8)],
-    ids=["g2-d32", "smollm2-shape-aligned", "g2-aligned", "generic-group", "generic-dim"],
-)
-def test_cpu_kernel_equals_the_torch_path_and_the_rule(shape):
-    """The fused C kernel (vectorised paths for D % 16 == 0, kept channels % 8 == 0 and G <= 8, plain loops
-    otherwise) against the
-    PyTorch batch path and the dense rule, on the same shuffled pool."""
-    from leank_infer.vllm import cpu_kernel
-    from leank_infer.vllm.paged_decode import paged_decode_batch
-
-    if not cpu_kernel.available():
-        pytest.skip("no working C compiler here: the backend keeps the PyTorch path")
-    args, wants = batch_case(**shape)
-    got = cpu_kernel.cpu_paged_decode_batch(*args)
-    torch.testing.assert_close(got, paged_decode_batch(*args), atol=1e-5, rtol=1e-5)
-    for i in range(3):
-        torch.testing.assert_close(got[i].double(), wants[i], atol=1e-5, rtol=1e-5)
-
-
-def test_cpu_kernel_switch_and_failed_build_fall_back(monkeypatch, tmp_path, caplog):
-    """LEANK_VLLM_CPU_KERNEL=0 turns the kernel off; a compiler that fails is logged and leaves it off."""
-    from leank_infer.vllm import cpu_kernel
-
-    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
-    assert not cpu_kernel.available()
-    monkeypatch.delenv(cpu_kernel.ENV_SWITCH)
-    monkeypatch.setattr(cpu_kernel, "_tried", False)
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setenv("CC", "false")
-    monkeypatch.setenv("LEANK_CACHE", str(tmp_path))
-    with caplog.at_level("WARNING", logger=cpu_kernel.__name__):
-        assert not cpu_kernel.available()
-    assert "building the vLLM CPU decode kernel failed" in caplog.text
-    assert not list(tmp_path.rglob("*.so"))

@@ -1,18 +1,25 @@
 """The batched LeanK decode over vLLM's LeanK pages (one call per layer for every decode request), and the
 write of a step's K/V into them.
 
-CUDA tensors run the Triton kernels (:mod:`~leank_infer.vllm.triton_paged`: capturable in a CUDA graph);
-so do CPU tensors in tests (``$LEANK_TRITON_ON_CPU=1`` with triton's interpreter). The rest: the PyTorch
-reference (:mod:`~leank_infer.vllm.paged_reference`).
+CUDA tensors run the Triton kernels (:mod:`~leank_infer.vllm.triton_paged`: capturable in a CUDA graph); so do
+CPU tensors in tests (``$LEANK_TRITON_ON_CPU=1`` with triton's interpreter). Other CPU tensors run the kernel
+of :mod:`~leank_infer.vllm.cpu_decode` (built at first use). Where neither can run (no compiler, tensors a
+kernel does not cover) it is the PyTorch reference per request (:mod:`~leank_infer.vllm.paged_reference`),
+with a warning logged once per reason.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from . import triton_paged
+from . import cpu_decode, triton_paged
 from .paged_reference import reference_attention, request_kv, write_pages
 from .pool import LayerSlot, WorkerPlan
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def decode(
@@ -30,10 +37,42 @@ def decode(
     fp8: torch.dtype | None = None,
 ) -> torch.Tensor:
     """LeanK attention ``[B, Hq, D]`` of one new query per request (its K/V already in the pages)."""
+    args = (q, packed, packed_table, window, window_table, seq_lens, plan, slot, scale, k_scale, v_scale, fp8)
     if triton_paged.handles(q):
-        return triton_paged.decode(
-            q, packed, packed_table, window, window_table, seq_lens, plan, slot, scale, k_scale, v_scale, fp8
-        )
+        return triton_paged.decode(*args)
+    if q.device.type == "cpu":
+        if not cpu_decode.supports(q, packed, window, fp8):
+            _once(
+                f"the CPU decode kernel does not cover q {q.dtype} over pages {packed.dtype} {tuple(packed.stride())}"
+            )
+        elif cpu_decode.available():
+            return cpu_decode.decode(*args)
+        else:
+            _once("the CPU decode kernel is not available")
+    return torch_decode(*args)
+
+
+def _once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("LeanK: %s; decoding with the PyTorch reference (slow)", reason)
+
+
+def torch_decode(
+    q: torch.Tensor,
+    packed: torch.Tensor,
+    packed_table: torch.Tensor,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    plan: WorkerPlan,
+    slot: LayerSlot,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`decode` in PyTorch, one request at a time (a gather of its pages, then the reference attention)."""
     out = torch.empty_like(q)
     for i, length in enumerate(seq_lens.tolist()):
         p = length - 1
@@ -72,9 +111,11 @@ def prepare(plan: WorkerPlan, device: torch.device) -> None:
         triton_paged.prepare(plan, device)
 
 
-def _row(window, table, p, slot, plan, which, scale, fp8, dtype):  # noqa: ANN001, ANN202 - interim
+def _row(window, table, p, slot, plan, which, scale, fp8, dtype):  # noqa: ANN001, ANN202 - the query's own K or V
     bs = window.shape[1]
     hd = plan.num_kv_heads * plan.head_dim
-    row = window[int(table[p // bs]), p % bs, slot.window_offset + which * hd : slot.window_offset + (which + 1) * hd]
+    row = window[
+        int(table[p // bs]), p % bs, slot.window_offset + which * hd : slot.window_offset + (which + 1) * hd
+    ]
     x = row.view(fp8).to(dtype) * scale if fp8 is not None else row.to(dtype)
     return x.view(1, plan.num_kv_heads, plan.head_dim)

@@ -1,0 +1,470 @@
+// LeanK decode over vLLM's LeanK pages on the CPU: one call per layer for every decode request of a step.
+// Plain C++ (no PyTorch or Python headers), built by leank_infer/vllm/cpu_decode.py and called through ctypes.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TILE 128  // keys scored before one rescale of the accumulators
+#define GMAX 8    // query heads of one KV head kept in registers at once
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+struct Args {  // mirrored by _Args in cpu_decode.py: keep the order
+    int64_t B, Hq, Hkv, D, block_size;
+    const void *q;        // [B, Hq, D] contiguous, q_type
+    float *out;           // [B, Hq, D] contiguous
+    const void *packed;   // block b at packed + b * packed_block_stride elements; rows of packed_row elements
+    const void *window;
+    int64_t packed_block_stride, packed_row, window_block_stride, window_row;
+    const int32_t *packed_table, *window_table;  // [B, *] rows at *_table_stride
+    int64_t packed_table_stride, window_table_stride;
+    const int32_t *seq_lens;  // [B]
+    int64_t packed_offset, window_offset;
+    const int64_t *k_off;  // [Hkv + 1]: head h's kept K columns are [k_off[h], k_off[h + 1]) of the layer's row
+    const int64_t *k_ch;   // [nk]: their channels
+    const int64_t *v_col;  // [Hkv]: first column of head h's V in the layer's row, -1: it keeps nothing
+    int64_t sink, recent, accumu;
+    double scale, k_scale, v_scale;
+    int64_t q_type;   // 0 f32, 1 bf16, 2 f16
+    int64_t kv_type;  // 0 f32, 1 bf16, 2 f16, 3 fp8 (bytes through lut)
+    const float *lut;  // [256] fp8 byte -> float
+    int64_t threads;
+    int64_t split;  // middle keys per piece (a multiple of TILE)
+};
+
+static inline v8 bits_f(v8u u) { return (v8)u; }
+
+static inline float bf16_f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// IEEE half to float (normals, subnormals, inf, NaN) with integer ops only: any x86-64 or ARM build.
+static inline v8 f16_f8(v8h h) {
+    v8u x = __builtin_convertvector(h, v8u);
+    v8u em = x & 0x7fffu;
+    v8u bits = (v8u)(bits_f(em << 13) * 0x1p112f);
+    bits |= (v8u)(em >= 0x7c00u) & 0x7f800000u;
+    return bits_f(bits | ((x & 0x8000u) << 16));
+}
+
+static inline float f16_f(uint16_t h) {
+    v8h x = {h, 0, 0, 0, 0, 0, 0, 0};
+    return f16_f8(x)[0];
+}
+
+// Loaders: one element, or 8 consecutive ones, of a stored row as floats.
+struct LF32 {
+    typedef float T;
+    static inline float one(const T *p, const float *) { return *p; }
+    static inline v8 eight(const T *p, const float *) {
+        v8 r;
+        memcpy(&r, p, 32);
+        return r;
+    }
+};
+struct LBF16 {
+    typedef uint16_t T;
+    static inline float one(const T *p, const float *) { return bf16_f(*p); }
+    static inline v8 eight(const T *p, const float *) {
+        v8h h;
+        memcpy(&h, p, 16);
+        return bits_f(__builtin_convertvector(h, v8u) << 16);
+    }
+};
+struct LF16 {
+    typedef uint16_t T;
+    static inline float one(const T *p, const float *) { return f16_f(*p); }
+    static inline v8 eight(const T *p, const float *) {
+        v8h h;
+        memcpy(&h, p, 16);
+        return f16_f8(h);
+    }
+};
+struct LFP8 {
+    typedef uint8_t T;
+    static inline float one(const T *p, const float *lut) { return lut[*p]; }
+    static inline v8 eight(const T *p, const float *lut) {
+        v8 r = {lut[p[0]], lut[p[1]], lut[p[2]], lut[p[3]], lut[p[4]], lut[p[5]], lut[p[6]], lut[p[7]]};
+        return r;
+    }
+};
+
+static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+// exp(x) to ~1 ulp (Cephes expf), branch-free so loops over it vectorise; NaN stays NaN (the tests' NaN
+// pages rely on it), -inf gives 0.
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : x;  // a NaN compares false and passes through
+    x = x > 88.0f ? 88.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = (int32_t)(n != n ? 0.0f : n) + 127;
+    uint32_t u = (uint32_t)e << 23;
+    float two_n;
+    memcpy(&two_n, &u, 4);
+    return p * two_n;
+}
+
+// s[g * TILE + t] = q_g . k_t over n channels for GB query heads (q rows ldq apart); each 8-channel piece of
+// a key is loaded once for all GB heads.
+template <class L, int GB>
+static void dot_tile(const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
+                     const float *lut, float *s) {
+    for (int64_t t = 0; t < nt; t++) {
+        const typename L::T *k = kr[t];
+        v8 a[GB];
+        for (int g = 0; g < GB; g++) a[g] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            const v8 kv = L::eight(k + c, lut);
+            for (int g = 0; g < GB; g++) {
+                v8 qv;
+                memcpy(&qv, q + g * ldq + c, 32);
+                a[g] += qv * kv;
+            }
+        }
+        float r[GB];
+        for (int g = 0; g < GB; g++) r[g] = hsum(a[g]);
+        for (; c < n; c++) {
+            const float kv = L::one(k + c, lut);
+            for (int g = 0; g < GB; g++) r[g] += q[g * ldq + c] * kv;
+        }
+        for (int g = 0; g < GB; g++) s[g * TILE + t] = r[g];
+    }
+}
+
+// acc[g][0..D) += sum_t p[g * TILE + t] * v_t for GB query heads: 16 channels of every head stay in registers
+// across the tile.
+template <class L, int GB>
+static void v_tile(const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
+                   float *acc) {
+    int64_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+        v8 r0[GB], r1[GB];
+        for (int g = 0; g < GB; g++) {
+            memcpy(&r0[g], acc + g * D + d0, 32);
+            memcpy(&r1[g], acc + g * D + d0 + 8, 32);
+        }
+        for (int64_t t = 0; t < nt; t++) {
+            const v8 a = L::eight(vr[t] + d0, lut), b = L::eight(vr[t] + d0 + 8, lut);
+            for (int g = 0; g < GB; g++) {
+                const float w = p[g * TILE + t];
+                r0[g] += w * a;
+                r1[g] += w * b;
+            }
+        }
+        for (int g = 0; g < GB; g++) {
+            memcpy(acc + g * D + d0, &r0[g], 32);
+            memcpy(acc + g * D + d0 + 8, &r1[g], 32);
+        }
+    }
+    for (; d0 < D; d0++) {
+        float r[GB];
+        for (int g = 0; g < GB; g++) r[g] = acc[g * D + d0];
+        for (int64_t t = 0; t < nt; t++) {
+            const float a = L::one(vr[t] + d0, lut);
+            for (int g = 0; g < GB; g++) r[g] += p[g * TILE + t] * a;
+        }
+        for (int g = 0; g < GB; g++) acc[g * D + d0] = r[g];
+    }
+}
+
+template <class L>
+static void dot_any(int gb, const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
+                    const float *lut, float *s) {
+    switch (gb) {
+        case 1: dot_tile<L, 1>(q, ldq, kr, nt, n, lut, s); break;
+        case 2: dot_tile<L, 2>(q, ldq, kr, nt, n, lut, s); break;
+        case 3: dot_tile<L, 3>(q, ldq, kr, nt, n, lut, s); break;
+        case 4: dot_tile<L, 4>(q, ldq, kr, nt, n, lut, s); break;
+        case 5: dot_tile<L, 5>(q, ldq, kr, nt, n, lut, s); break;
+        case 6: dot_tile<L, 6>(q, ldq, kr, nt, n, lut, s); break;
+        case 7: dot_tile<L, 7>(q, ldq, kr, nt, n, lut, s); break;
+        default: dot_tile<L, 8>(q, ldq, kr, nt, n, lut, s); break;
+    }
+}
+
+template <class L>
+static void v_any(int gb, const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
+                  float *acc) {
+    switch (gb) {
+        case 1: v_tile<L, 1>(p, vr, nt, D, lut, acc); break;
+        case 2: v_tile<L, 2>(p, vr, nt, D, lut, acc); break;
+        case 3: v_tile<L, 3>(p, vr, nt, D, lut, acc); break;
+        case 4: v_tile<L, 4>(p, vr, nt, D, lut, acc); break;
+        case 5: v_tile<L, 5>(p, vr, nt, D, lut, acc); break;
+        case 6: v_tile<L, 6>(p, vr, nt, D, lut, acc); break;
+        case 7: v_tile<L, 7>(p, vr, nt, D, lut, acc); break;
+        default: v_tile<L, 8>(p, vr, nt, D, lut, acc); break;
+    }
+}
+
+struct Scratch {  // one thread's buffers, for all Hq query heads of a request
+    float *s, *qf, *qk, *acc, *m, *l;
+    const void **rows, **kr, **vr;
+};
+
+// Keys [a, e) of one request's pages (token pos's row at base + table[pos / bs] * block_stride + (pos % bs) *
+// row) for the KV heads h in heads[0..nh): scores of its G query heads over n[h] channels at column kcol[h]
+// (queries q + h * G * D, rows D apart), values of D channels at column vcol[h], folded tile by tile into the
+// online softmax of those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one
+// after the other: a token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
+template <class L>
+static void keys(const Args &A, const typename L::T *base, int64_t block_stride, int64_t row, const int32_t *table,
+                 const int64_t *heads, int64_t nh, const int64_t *kcol, const int64_t *vcol, const int64_t *n,
+                 const float *q, int64_t a, int64_t e, Scratch &S) {
+    typedef typename L::T T;
+    const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
+    const T **rows = (const T **)S.rows, **kr = (const T **)S.kr, **vr = (const T **)S.vr;
+    for (int64_t t0 = a; t0 < e; t0 += TILE) {
+        const int64_t nt = e - t0 < TILE ? e - t0 : TILE;  // the tile clamp
+        for (int64_t t = 0; t < nt; t++) {
+            const int64_t pos = t0 + t;
+            rows[t] = base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row;
+        }
+        for (int64_t i = 0; i < nh; i++) {
+            const int64_t h = heads[i];
+            for (int64_t t = 0; t < nt; t++) {
+                kr[t] = rows[t] + kcol[h];
+                vr[t] = rows[t] + vcol[h];
+            }
+            float *s = S.s + h * G * TILE, *m = S.m + h * G, *l = S.l + h * G, *acc = S.acc + h * G * D;
+            for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+                const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+                dot_any<L>(gb, q + (h * G + g0) * D, D, kr, nt, n[h], A.lut, s + g0 * TILE);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = s + g * TILE;
+                float mx = m[g];
+                for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;  // a NaN score stays in w below
+                const float c = exp_f(m[g] - mx);  // first tile: exp(-inf) = 0
+                float sum = 0.f;
+                for (int64_t t = 0; t < nt; t++) {
+                    const float w = exp_f(sg[t] - mx);
+                    sg[t] = w;
+                    sum += w;
+                }
+                l[g] = l[g] * c + sum;
+                m[g] = mx;
+                float *ag = acc + g * D;
+                for (int64_t d = 0; d < D; d++) ag[d] *= c;
+            }
+            for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+                const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+                v_any<L>(gb, s + g0 * TILE, vr, nt, D, A.lut, acc + g0 * D);
+            }
+        }
+    }
+}
+
+struct Item {  // a piece of one request: its full-channel keys (the first piece) and/or a slice of its middle
+    int64_t b, mid_a, mid_e, full, cost;
+    int64_t part;  // its partial result's slot, -1: writes the output directly (the request has one piece)
+};
+
+static int by_cost(const void *x, const void *y) {
+    const int64_t a = ((const Item *)x)->cost, b = ((const Item *)y)->cost;
+    return a < b ? 1 : (a > b ? -1 : 0);
+}
+
+static inline float q_at(const Args &A, int64_t i) {
+    if (A.q_type == 1) return bf16_f(((const uint16_t *)A.q)[i]);
+    if (A.q_type == 2) return f16_f(((const uint16_t *)A.q)[i]);
+    return ((const float *)A.q)[i];
+}
+
+static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
+    int64_t *all, *mid, n_mid;           // every KV head; those keeping any channel
+    int64_t *full_k, *full_v, *full_n;   // [Hkv] columns of head h's K and V in a window row, D channels
+    int64_t *mid_k, *mid_n;              // [Hkv] first kept K column of head h in a packed row, how many
+};
+
+template <class L>
+static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, float *parts) {
+    typedef typename L::T T;
+    const int64_t Hq = A.Hq, G = Hq / A.Hkv, D = A.D, b = it.b;
+    const int64_t p = (int64_t)A.seq_lens[b] - 1;
+    const double qscale = A.scale * A.k_scale;  // stored K are k / k_scale: the scale rides on q
+    for (int64_t qh = 0; qh < Hq; qh++) {
+        const int64_t h = qh / G;
+        for (int64_t d = 0; d < D; d++) S.qf[qh * D + d] = (float)(q_at(A, (b * Hq + qh) * D + d) * qscale);
+        const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
+        for (int64_t c = 0; c < nk; c++) S.qk[qh * D + c] = S.qf[qh * D + A.k_ch[c0 + c]];
+        S.m[qh] = -INFINITY;
+        S.l[qh] = 0.f;
+    }
+    memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
+    if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, window pages
+        const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
+        const T *w = (const T *)A.window + A.window_offset;
+        const int32_t *wt = A.window_table + b * A.window_table_stride;
+        const int64_t sink_end = A.sink < p + 1 ? A.sink : p + 1;
+        const int64_t rec = A.sink > rf ? A.sink : rf;
+        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf, 0,
+                sink_end, S);
+        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf,
+                rec, p + 1, S);
+    }
+    if (it.mid_e > it.mid_a) {  // middle: each head's kept channels, packed pages
+        const T *pk = (const T *)A.packed + A.packed_offset;
+        const int32_t *pt = A.packed_table + b * A.packed_table_stride;
+        keys<L>(A, pk, A.packed_block_stride, A.packed_row, pt, H.mid, H.n_mid, H.mid_k, A.v_col, H.mid_n, S.qk,
+                it.mid_a, it.mid_e, S);
+    }
+    if (it.part < 0) {
+        for (int64_t qh = 0; qh < Hq; qh++) {
+            const float inv = (float)(A.v_scale / S.l[qh]);
+            float *o = A.out + (b * Hq + qh) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = S.acc[qh * D + d] * inv;
+        }
+    } else {
+        float *pp = parts + it.part * Hq * (D + 2);
+        for (int64_t qh = 0; qh < Hq; qh++) {
+            pp[qh * (D + 2)] = S.m[qh];
+            pp[qh * (D + 2) + 1] = S.l[qh];
+            memcpy(pp + qh * (D + 2) + 2, S.acc + qh * D, sizeof(float) * (size_t)D);
+        }
+    }
+}
+
+// The k pieces of request b (partials from slot f on), in piece order (so any thread count gives the same
+// bits). A head without middle keys has an empty state (m = -inf, l = 0) in every piece but the first.
+static void merge(const Args &A, int64_t b, int64_t k, int64_t f, const float *parts) {
+    const int64_t Hq = A.Hq, D = A.D;
+    for (int64_t qh = 0; qh < Hq; qh++) {
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < k; j++) {
+            const float mj = parts[((f + j) * Hq + qh) * (D + 2)];
+            mx = (mj > mx || mj != mj) ? mj : mx;
+        }
+        float l = 0.f;
+        float *o = A.out + (b * Hq + qh) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            const float *pp = parts + ((f + j) * Hq + qh) * (D + 2);
+            if (pp[1] == 0.f && pp[0] == -INFINITY) continue;  // a head with no key in this piece
+            const float c = exp_f(pp[0] - mx);
+            l += pp[1] * c;
+            for (int64_t d = 0; d < D; d++) o[d] += pp[2 + d] * c;
+        }
+        const float inv = (float)(A.v_scale / l);
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+template <class L>
+static int run(const Args &A) {
+    const int64_t B = A.B, Hkv = A.Hkv, Hq = A.Hq, D = A.D;
+    // Pieces: per request one with its full-channel keys and the first `split` middle keys, then one per further
+    // `split` middle keys (whole tiles), each over every KV head; their partial softmax states are merged
+    // (flash-decoding) by the thread that finishes a request's last piece. The cut depends on the lengths alone,
+    // never on the thread count: every thread count gives the same bits.
+    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B + 8 * Hkv + 1));
+    if (!buf64) return 1;
+    int64_t *first = buf64, *splits = first + B, *left = splits + B;  // left: pieces of the request not yet done
+    Heads H;
+    H.all = left + B, H.mid = H.all + Hkv, H.full_k = H.mid + Hkv, H.full_v = H.full_k + Hkv;
+    H.full_n = H.full_v + Hkv, H.mid_k = H.full_n + Hkv, H.mid_n = H.mid_k + Hkv;
+    H.n_mid = 0;
+    int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
+    for (int64_t h = 0; h < Hkv; h++) {
+        H.all[h] = h, H.full_k[h] = h * D, H.full_v[h] = (Hkv + h) * D, H.full_n[h] = D;
+        H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
+        if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
+    }
+    int64_t n_items = 0, n_parts = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t p = (int64_t)A.seq_lens[b] - 1;
+        const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
+        const int64_t mid = H.n_mid && rf > A.sink ? rf - A.sink : 0;
+        const int64_t k = mid > A.split ? (mid + A.split - 1) / A.split : 1;
+        splits[b] = left[b] = k;
+        first[b] = k > 1 ? n_parts : -1;
+        n_items += k;
+        if (k > 1) n_parts += k;
+    }
+    Item *items = (Item *)malloc(sizeof(Item) * (size_t)n_items);
+    float *parts = n_parts ? (float *)malloc(sizeof(float) * (size_t)(n_parts * Hq * (D + 2))) : NULL;
+    if (!items || (n_parts && !parts)) {
+        free(buf64), free(items), free(parts);
+        return 1;
+    }
+    int64_t i = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t p = (int64_t)A.seq_lens[b] - 1;
+        const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
+        const int64_t m = H.n_mid && rf > A.sink ? rf - A.sink : 0;
+        const int64_t full = (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - (A.sink > rf ? A.sink : rf));
+        const int64_t k = splits[b];
+        for (int64_t j = 0; j < k; j++) {
+            Item &it = items[i++];
+            it.b = b, it.full = j == 0;
+            it.mid_a = A.sink + j * A.split;
+            it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
+            it.cost = (it.full ? full * 2 * Hkv * D : 0) + (it.mid_e - it.mid_a) * mid_width + 1;
+            it.part = k > 1 ? first[b] + j : -1;
+        }
+    }
+    qsort(items, (size_t)n_items, sizeof(Item), by_cost);  // longest first: dynamic scheduling balances the rest
+    int failed = 0;
+    int64_t threads = A.threads < n_items ? A.threads : n_items;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch S;
+        const size_t nf = (size_t)(Hq * TILE + 3 * Hq * D + 2 * Hq);
+        float *buf = (float *)malloc(sizeof(float) * nf);
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 3 * TILE);
+        if (!buf || !ptrs) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            S.s = buf, S.qf = S.s + Hq * TILE, S.qk = S.qf + Hq * D, S.acc = S.qk + Hq * D, S.m = S.acc + Hq * D;
+            S.l = S.m + Hq, S.rows = ptrs, S.kr = ptrs + TILE, S.vr = ptrs + 2 * TILE;
+        }
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j = 0; j < n_items; j++) {
+            if (!buf || !ptrs) continue;
+            const Item &it = items[j];
+            run_item<L>(A, H, it, S, parts);
+            // the last piece of a request to finish merges them: no barrier for it
+            if (it.part >= 0 && __atomic_sub_fetch(&left[it.b], 1, __ATOMIC_ACQ_REL) == 0)
+                merge(A, it.b, splits[it.b], first[it.b], parts);
+        }
+        free(buf);
+        free(ptrs);
+    }
+    free(buf64), free(items), free(parts);
+    return failed;
+}
+
+extern "C" int leank_cpu_decode(const Args *A) {
+    if (A->Hkv <= 0 || A->Hq % A->Hkv || A->block_size <= 0 || A->accumu <= 0 || A->split < TILE || A->split % TILE) return 2;
+    switch (A->kv_type) {
+        case 0: return run<LF32>(*A);
+        case 1: return run<LBF16>(*A);
+        case 2: return run<LF16>(*A);
+        case 3: return run<LFP8>(*A);
+        default: return 2;
+    }
+}
+
+extern "C" int leank_cpu_decode_tile(void) { return TILE; }

@@ -1,0 +1,276 @@
+"""The CPU kernel of the batched LeanK decode: every decode request of a step, one call per layer, in place.
+
+One call reads each request's keys where the engine wrote them (:mod:`~leank_infer.vllm.pool`): the sink and
+the recent window with every channel from the window pages, the middle with each KV head's kept channels from
+the packed rows, both through the block tables, with no gather. The work is cut into pieces: per request one
+with its full-channel keys and the first ``SPLIT`` middle keys, then one per further ``SPLIT`` middle keys (so a
+batch of one long request still keeps every thread busy); every piece covers all the KV heads of its keys, so
+each token's row (a few hundred bytes of the layer in a 17 KB row of all layers, a page of its own) is fetched
+once for all heads: measured 5-15 % faster than one piece per (request, KV head) on these pages. Pieces run
+longest first on the engine's threads (OpenMP, ``torch.get_num_threads()``, which vLLM's CPU worker sets and
+binds); the last piece of a request to finish merges the request's softmax states, as in flash-decoding. The
+cut depends on the lengths only, so the result is the same to the bit at any thread count. Within a piece the
+keys go in tiles of 128 (online softmax, one rescale per tile), the query heads of one KV head together so
+that each key and value row is loaded once for all of them (8-float vectors, scalar tails for any head_dim and
+kept count). Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides
+on the query, the V scale on the output); accumulation is fp32.
+
+**Why C++ through ctypes with OpenMP** (``benchmarks/vllm_kernel_build.py`` measures the alternatives; the
+numbers are in its docstring): it was the fastest per call, it builds in seconds with the system compiler (no
+Python or PyTorch headers; vLLM's CPU backend compiles the model with ``torch.compile``, which needs that
+compiler anyway unless ``enforce_eager``), and its OpenMP threads are the engine's own: the library links
+``libgomp.so.1``, which resolves to the one PyTorch has loaded, so vLLM's thread count and core binding apply
+and nothing oversubscribes. ``torch.utils.cpp_extension.load_inline`` runs the same source no faster but
+builds for a minute or more (PyTorch headers) and needs ninja and the Python headers; numba needs no compiler
+but JIT-compiles for tens of seconds on first use and about two seconds in every later process, was several
+times slower per call, and its OpenMP layer loads a second OpenMP runtime with threads of its own.
+
+The library is compiled the first time a LeanK layer decodes on the CPU, into ``~/.cache/leank/vllm-kernel/``
+(or ``$LEANK_CACHE``), keyed by the source, the flags, the compiler and the CPU (``-march=native``); later
+processes load it in milliseconds. Where no compiler works, or with ``LEANK_VLLM_CPU_KERNEL=0``,
+:func:`available` is false and :func:`leank_infer.vllm.kernels.decode` keeps the PyTorch path (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .pool import LayerSlot, WorkerPlan
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "LEANK_VLLM_CPU_KERNEL"
+SOURCE_PATH = Path(__file__).with_name("cpu_decode.cpp")
+# No -ffast-math: it would let the compiler assume no NaN (the tests' NaN pages catch stray reads) and, in a
+# shared library built by GCC < 13, switch the whole process to flush-to-zero.
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC"]
+TRIES = (
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    [],
+)  # first that builds wins; the last is single-threaded
+SPLIT = 512  # middle keys per piece of work (a multiple of the tile): pieces for the threads at any batch
+
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
+_Q_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Args(ctypes.Structure):
+    """The kernel's ``struct Args`` (cpu_decode.cpp), field for field."""
+
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("B", "Hq", "Hkv", "D", "block_size")],
+        ("q", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),
+        ("window", ctypes.c_void_p),
+        *[
+            (n, ctypes.c_int64)
+            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
+        ],
+        ("packed_table", ctypes.c_void_p),
+        ("window_table", ctypes.c_void_p),
+        ("packed_table_stride", ctypes.c_int64),
+        ("window_table_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("packed_offset", ctypes.c_int64),
+        ("window_offset", ctypes.c_int64),
+        ("k_off", ctypes.c_void_p),
+        ("k_ch", ctypes.c_void_p),
+        ("v_col", ctypes.c_void_p),
+        *[(n, ctypes.c_int64) for n in ("sink", "recent", "accumu")],
+        *[(n, ctypes.c_double) for n in ("scale", "k_scale", "v_scale")],
+        ("q_type", ctypes.c_int64),
+        ("kv_type", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("threads", ctypes.c_int64),
+        ("split", ctypes.c_int64),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LEANK_CACHE") or str(Path.home() / ".cache" / "leank")
+    return Path(root) / "vllm-kernel"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: a library built on another CPU (a shared home) may not run here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "Features", "model name", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def build(extra: list[str] | None = None, directory: Path | None = None) -> Path:
+    """Compile the kernel (or reuse the cached build) and return the library's path; raises on failure.
+
+    ``extra`` flags (e.g. ``-fsanitize=address``) are tried alone, without the fallbacks."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise OSError("no C++ compiler found (set $CXX)")
+    source = SOURCE_PATH.read_text()
+    directory = directory or _cache_dir()
+    errors = []
+    for flags in [extra] if extra is not None else TRIES:
+        every = FLAGS + flags
+        key = hashlib.sha256("\0".join([source, *every, cxx, _cpu_id()]).encode()).hexdigest()[:16]
+        lib_path = directory / f"leank_cpu_decode_{key}.so"
+        if lib_path.exists():
+            return lib_path
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            src = Path(tmp) / "cpu_decode.cpp"
+            src.write_text(source)
+            so = Path(tmp) / lib_path.name
+            run = subprocess.run([cxx, *every, "-o", str(so), str(src)], capture_output=True, text=True)
+            if run.returncode == 0:
+                os.replace(so, lib_path)  # atomic: a concurrent builder never loads half a file
+                return lib_path
+            errors.append(f"{' '.join(every)}: {run.stderr[-1500:]}")
+    raise OSError("building the LeanK CPU decode kernel failed:\n" + "\n".join(errors))
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("LeanK: the CPU decode kernel is not available (%s); the PyTorch decode is used", e)
+        return None
+    lib.leank_cpu_decode.restype = ctypes.c_int
+    lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and switched on (``LEANK_VLLM_CPU_KERNEL`` not ``0``); the first call builds it."""
+    global _lib, _tried
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if not _tried:
+        _tried = True
+        _lib = _load()
+    return _lib is not None
+
+
+def supports(
+    q: torch.Tensor, packed: torch.Tensor, window: torch.Tensor, fp8: torch.dtype | None = None
+) -> bool:
+    """Whether the kernel covers these tensors (CPU, a dtype it reads, rows contiguous in each block)."""
+    return (
+        (packed.dtype == torch.uint8) == (fp8 in (torch.float8_e4m3fn, torch.float8_e5m2))
+        and q.device.type == "cpu"
+        and q.dtype in _Q_TYPES
+        and packed.dtype in _KV_TYPES
+        and window.dtype == packed.dtype
+        and packed.device.type == "cpu"
+        and window.device.type == "cpu"
+        and packed.stride(2) == 1
+        and packed.stride(1) == packed.shape[2]
+        and window.stride(2) == 1
+        and window.stride(1) == window.shape[2]
+    )
+
+
+_layer_cache: dict[int, tuple[LayerSlot, _Args, tuple[torch.Tensor, ...]]] = {}
+_luts: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _lut(fp8: torch.dtype) -> torch.Tensor:
+    if fp8 not in _luts:
+        _luts[fp8] = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    return _luts[fp8]
+
+
+def _layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor, ...]]:
+    """The call's constant part for one layer (built once: the kept columns of each head and the rule's sizes)."""
+    hit = _layer_cache.get(id(slot))
+    if hit is not None and hit[0] is slot:
+        return hit[1], hit[2]
+    layout, d, hkv = slot.layout, plan.head_dim, plan.num_kv_heads
+    heads = layout.k_index // d
+    k_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(heads, minlength=hkv).cumsum(0)])
+    k_ch = (layout.k_index % d).contiguous()
+    if k_ch.numel() == 0:
+        k_ch = torch.zeros(1, dtype=torch.long)
+    v_col = torch.full((hkv,), -1, dtype=torch.long)
+    for i, h in enumerate(layout.v_heads):
+        v_col[h] = layout.k_index.numel() + i * d
+    a = _Args()
+    a.Hkv, a.D, a.block_size = hkv, d, plan.block_size
+    a.packed_offset, a.window_offset = slot.packed_offset, slot.window_offset
+    a.k_off, a.k_ch, a.v_col = k_off.data_ptr(), k_ch.data_ptr(), v_col.data_ptr()
+    a.sink, a.recent, a.accumu = plan.sink, plan.recent, plan.accumu
+    a.split = SPLIT
+    keep = (k_off, k_ch, v_col)
+    _layer_cache[id(slot)] = (slot, a, keep)
+    return a, keep
+
+
+def _table(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.int32 or t.stride(-1) != 1:
+        t = t.to(torch.int32).contiguous()
+    return t
+
+
+def decode(
+    q: torch.Tensor,
+    packed: torch.Tensor,
+    packed_table: torch.Tensor,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    plan: WorkerPlan,
+    slot: LayerSlot,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> torch.Tensor:
+    """LeanK attention ``[B, Hq, D]`` (q's dtype) of one new query per request, its K/V already in the pages;
+    the arguments of :func:`leank_infer.vllm.kernels.decode`. Needs :func:`available` and :func:`supports`."""
+    if not available():
+        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
+    b, hq, d = q.shape
+    const, _ = _layer(plan, slot)
+    a = _Args.from_buffer_copy(const)  # a fresh copy: calls from several threads never share one
+    q = q if q.is_contiguous() else q.contiguous()
+    packed_table, window_table = _table(packed_table), _table(window_table)
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((b, hq, d), dtype=torch.float32)
+    a.B, a.Hq = b, hq
+    a.q, a.out, a.q_type = q.data_ptr(), out.data_ptr(), _Q_TYPES[q.dtype]
+    a.packed, a.window = packed.data_ptr(), window.data_ptr()
+    a.packed_block_stride, a.packed_row = packed.stride(0), packed.shape[2]
+    a.window_block_stride, a.window_row = window.stride(0), window.shape[2]
+    a.packed_table, a.window_table = packed_table.data_ptr(), window_table.data_ptr()
+    a.packed_table_stride, a.window_table_stride = packed_table.stride(0), window_table.stride(0)
+    a.seq_lens = seq_lens.data_ptr()
+    a.scale = scale
+    if fp8 is not None:
+        a.kv_type, a.lut, a.k_scale, a.v_scale = 3, _lut(fp8).data_ptr(), k_scale, v_scale
+    else:
+        a.kv_type, a.k_scale, a.v_scale = _KV_TYPES[packed.dtype], 1.0, 1.0
+    a.threads = torch.get_num_threads()
+    rc = _lib.leank_cpu_decode(ctypes.byref(a))
+    if rc:
+        raise RuntimeError(
+            f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments)"
+        )
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,265 @@
+"""The vLLM plugin's CPU decode kernel (leank_infer/vllm/cpu_decode.py) against the PyTorch reference.
+
+Pages come from tests/vllm_pages.py: laid out as the engine writes them, NaN wherever the rule forbids reading,
+blocks strided by more than a page; so a stray read shows as NaN and a wrong region as a mismatch. Runs in the
+main environment (the kernel needs a C++ compiler, not vLLM).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_pages import random_mask, random_pages, reference
+
+from leank_infer.vllm import cpu_decode, kernels
+
+if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the kernel cannot be built here", allow_module_level=True)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+EMBEDDED = dict(sink_size=16, recent_size=64, accumu_size=16)  # the embedded SmolLM2 masks' sizes
+REAL = dict(sink_size=128, recent_size=768, accumu_size=128)  # the Llama / Qwen reference masks' sizes
+# p < sink, p < recent, either side of the window's steps (p - recent at, before and after a multiple of
+# accumu), a few tiles, many tiles
+LENGTHS = [1, 9, 17, 50, 80, 81, 96, 97, 113, 300, 700, 1500, 1504]
+
+
+@pytest.fixture(autouse=True)
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def run(pg, threads: int = 1, scale: float = 0.125) -> torch.Tensor:
+    torch.set_num_threads(threads)
+    assert cpu_decode.available() and cpu_decode.supports(pg.q, pg.packed, pg.window, pg.fp8)
+    return cpu_decode.decode(
+        pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot, scale,
+        pg.k_scale, pg.v_scale, pg.fp8,
+    )  # fmt: skip
+
+
+def check(pg, got: torch.Tensor, tol: float, scale: float = 0.125) -> None:
+    want = reference(pg, scale)
+    assert torch.isfinite(want).all()
+    assert got.dtype == pg.q.dtype and got.shape == pg.q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(
+    "dtype, fp8",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None), (torch.float32, "e4m3"),
+     (torch.float32, "e5m2")],
+    ids=["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2"],
+)  # fmt: skip
+def test_embedded_shapes_every_dtype(dtype, fp8, block_size, threads):
+    """SmolLM2's shapes (3 KV heads x 3 queries, head_dim 64) and sizes; heads keeping 32, none, all, 7 channels
+    (layer 0 cycles through them); mixed lengths in one batch; every storage dtype with its scales."""
+    mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
+    pg = random_pages(mask, LENGTHS, q_heads=9, block_size=block_size, dtype=dtype, fp8=fp8, seed=2)
+    check(pg, run(pg, threads), TOL[dtype])
+
+
+def test_fp8_under_a_half_precision_model():
+    """fp8 pages under a bf16 query: the scales still apply, the result comes back in bf16."""
+    mask = random_mask(1, 3, 64, [16, 64, 0], **EMBEDDED)
+    pg = random_pages(mask, [40, 400, 900], q_heads=6, fp8="e4m3", seed=3)
+    pg.q = pg.q.to(torch.bfloat16)
+    check(pg, run(pg, 2), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_more_than_two_tiles_of_full_channel_keys(block_size):
+    """A window of ~300 full-channel keys (sink 16 + recent 272..288): three tiles of 128, the last one partial."""
+    mask = random_mask(1, 2, 32, [8, 24], sink_size=16, recent_size=272, accumu_size=16)
+    lengths = [290, 300, 301, 317, 600, 1000]
+    pg = random_pages(mask, lengths, q_heads=4, block_size=block_size, seed=4)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "heads, q_heads, counts",
+    [(8, 32, [16, 0, 128, 48, 32, 0, 64, 80]), (4, 28, [32, 128, 0, 96])],
+    ids=["llama-8b", "qwen2.5-7b"],
+)
+def test_real_masks_sizes(heads, q_heads, counts):
+    """The reference masks' sizes (sink 128, recent 768, accumu 128) and shapes (head_dim 128, GQA 4 and 7):
+    several tiles of sink, window and middle keys, lengths on either side of the window's steps."""
+    mask = random_mask(1, heads, 128, counts, seed=5, **REAL)
+    lengths = [1, 100, 129, 897, 1024, 1025, 2200]
+    pg = random_pages(mask, lengths, q_heads=q_heads, block_size=128, seed=6)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("counts", [[0], [20]], ids=["keeps-nothing", "keeps-everything"])
+def test_a_layer_keeping_nothing_or_everything(counts):
+    """A layer whose heads keep no channel (its packed row is one padding element: only sink and window keys are
+    seen) and one keeping every channel (the middle is plain attention over packed rows); head_dim 20 (no
+    multiple of 8: the kernel's scalar tails)."""
+    mask = random_mask(2, 2, 20, counts, align=4, **EMBEDDED)
+    pg = random_pages(mask, LENGTHS, q_heads=4, seed=7)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group", [1, 10], ids=["mha", "gqa-10"])
+def test_any_group_size(group):
+    """One query head per KV head, and more than the 8 the kernel keeps in registers at once; kept counts that
+    are no multiple of 8 (13: the scalar tail of the kept-channel dot)."""
+    mask = random_mask(1, 2, 64, [40, 13], **EMBEDDED)
+    pg = random_pages(mask, [30, 200, 1200], q_heads=2 * group, seed=8)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+def test_no_sink():
+    """sink_size 0: the recent window from max(0, rf) (rf < 0 while p < recent), the middle from key 0."""
+    mask = random_mask(1, 2, 32, [8, 24], sink_size=0, recent_size=64, accumu_size=16)
+    pg = random_pages(mask, [1, 30, 64, 65, 80, 96, 400], q_heads=4, seed=11)
+    check(pg, run(pg, 2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None), (torch.float32, "e4m3")]
+)
+def test_a_nan_the_kernel_reads_shows_in_the_result(dtype, fp8):
+    """What every test above relies on: a NaN in a slot the kernel reads (here a channel of KV head 0 in the
+    query's own K) reaches the output of every query head of that KV head, in every storage dtype (so the NaN
+    pages catch any stray read)."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [300, 300], q_heads=9, dtype=dtype, fp8=fp8, seed=12)
+    bs, p = pg.packed.shape[1], 299
+    block = int(pg.window_table[1, p // bs])
+    pg.window[block, p % bs, pg.slot.window_offset + 5] = 0x7F if fp8 else float("nan")
+    got = run(pg, 2)
+    assert torch.isfinite(got[0]).all() and torch.isnan(got[1, :3]).all() and torch.isfinite(got[1, 3:]).all()
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    """Long middles are cut into pieces by their length, never by the thread count: 1, 2 and 3 threads agree
+    exactly (and a batch of one request equals the same request inside a batch)."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [5, 100, 700, 3000], q_heads=9, seed=9)
+    outs = [run(pg, t) for t in (1, 2, 3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    check(pg, outs[0], TOL[torch.float32])
+    one = cpu_decode.decode(
+        pg.q[3:], pg.packed, pg.packed_table[3:], pg.window, pg.window_table[3:], pg.seq_lens[3:], pg.plan,
+        pg.slot, 0.125,
+    )  # fmt: skip
+    assert torch.equal(one[0], outs[0][3])
+
+
+def test_kernels_decode_runs_the_kernel_on_cpu_and_the_reference_without_it(monkeypatch, caplog):
+    """kernels.decode calls the kernel for CPU tensors; without it (no compiler, switched off) it falls back to
+    the PyTorch path, warning once."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [20, 300], q_heads=9, seed=10)
+    args = (
+        pg.q,
+        pg.packed,
+        pg.packed_table,
+        pg.window,
+        pg.window_table,
+        pg.seq_lens,
+        pg.plan,
+        pg.slot,
+        0.125,
+    )
+    calls = []
+    real = cpu_decode.decode
+    monkeypatch.setattr(cpu_decode, "decode", lambda *a: calls.append(1) or real(*a))
+    check(pg, kernels.decode(*args), TOL[torch.float32])
+    assert calls == [1]
+    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        check(pg, kernels.decode(*args), TOL[torch.float32])
+        check(pg, kernels.decode(*args), TOL[torch.float32])
+    assert calls == [1]
+    assert caplog.text.count("CPU decode kernel is not available") == 1
+
+
+def test_tensors_the_kernel_does_not_cover_take_the_reference(monkeypatch, caplog):
+    """Pages whose rows are not contiguous in a block (and any dtype the kernel does not read) go to the PyTorch
+    path, with one warning; the kernel is not called."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [20, 300], q_heads=9, seed=13)
+    wide = torch.full((pg.packed.shape[0], pg.packed.shape[1], pg.packed.shape[2] + 3), float("nan"))
+    wide[:, :, : pg.packed.shape[2]] = pg.packed
+    pg.packed = wide[:, :, : pg.packed.shape[2]]  # rows 3 elements apart: not the engine's layout
+    assert not cpu_decode.supports(pg.q, pg.packed, pg.window)
+    monkeypatch.setattr(cpu_decode, "decode", lambda *a: pytest.fail("the kernel was called"))
+    monkeypatch.setattr(kernels, "_warned", set())
+    args = (pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot, 0.125)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        check(pg, kernels.decode(*args), TOL[torch.float32])
+        kernels.decode(*args)
+    assert caplog.text.count("does not cover") == 1
+
+
+def test_a_failed_build_is_logged_and_leaves_the_kernel_off(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setattr(cpu_decode, "_lib", None)
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path))
+    with caplog.at_level("WARNING", logger=cpu_decode.__name__):
+        assert not cpu_decode.available()
+        assert not cpu_decode.available()
+    assert caplog.text.count("CPU decode kernel is not available") == 1
+    assert not list(tmp_path.rglob("*.so"))
+
+
+ASAN_SCRIPT = r"""
+import ctypes, sys, torch
+sys.path.insert(0, sys.argv[1])
+from vllm_pages import random_mask, random_pages, reference
+from leank_infer.vllm import cpu_decode
+lib = ctypes.CDLL(sys.argv[2])
+lib.leank_cpu_decode.restype = ctypes.c_int
+lib.leank_cpu_decode.argtypes = [ctypes.POINTER(cpu_decode._Args)]
+cpu_decode._lib, cpu_decode._tried = lib, True
+torch.set_num_threads(2)
+for counts, sizes, heads, d, q_heads, lengths, bs, fp8 in [
+    ([32, 0, 64, 7], dict(sink_size=16, recent_size=64, accumu_size=16), 3, 64, 9, [1, 9, 50, 81, 300, 1500], 16, None),
+    ([0], dict(sink_size=16, recent_size=64, accumu_size=16, align=8), 2, 24, 4, [1, 40, 700], 16, None),
+    ([16, 128, 0, 96], dict(sink_size=128, recent_size=768, accumu_size=128), 4, 128, 28, [1, 129, 1025, 2200], 128, "e5m2"),
+]:
+    pg = random_pages(random_mask(1, heads, d, counts, **sizes), lengths, q_heads=q_heads, block_size=bs, fp8=fp8,
+                      extra_block_stride=0)
+    # the tightest buffers: a pool that ends where the last block ends, tables as wide as the longest request
+    got = cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
+                            pg.slot, 0.125, pg.k_scale, pg.v_scale, pg.fp8)
+    torch.testing.assert_close(got, reference(pg, 0.125), atol=1e-5, rtol=1e-5)
+print("asan ok")
+"""
+
+
+def test_no_out_of_bounds_read_under_address_sanitizer(tmp_path):
+    """The kernel built with -fsanitize=address reads only inside its buffers (an overrun aborts the run)."""
+    libasan = subprocess.run(
+        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    if not libasan or not Path(libasan).exists():
+        pytest.skip("no AddressSanitizer runtime for g++ here")
+    lib = cpu_decode.build(
+        ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-fopenmp"], tmp_path
+    )
+    env = {
+        **os.environ,
+        "LD_PRELOAD": os.path.realpath(libasan),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=97",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", ASAN_SCRIPT, str(Path(__file__).parent), str(lib)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0 and "asan ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
