@@ -62,6 +62,7 @@ class LeanKAttentionMixin:
         super().__init__(*args, **kwargs)
         self.mask: ChannelMask | None = None
         self.slot: LayerSlot | None = None
+        self.view_slot: LayerSlot | None = None  # the slot over this layer's own views of the pages
         self.plan: WorkerPlan | None = None
         self.window_name: str | None = None
         self.fp8: torch.dtype | None = None
@@ -118,41 +119,24 @@ class LeanKAttentionMixin:
         k = key[:n].view(n, hkv, d)
         v = value[:n].view(n, hkv, d)
         out = output[:n].view(n, hq, d)
-        packed = kv_cache[:, 0]  # [num_blocks, block_size, packed row]
-        window = self.window_store.kv_cache[:, 0]
-        self._write(packed, md.slot_mapping, window, window_md.slot_mapping, k, v, layer)
+        # this layer's runs of the pages: [num_blocks, block_size, columns], read with the view's slot
+        packed = self.slot.packed_view(kv_cache)
+        window = self.slot.window_view(self.window_store.kv_cache)
+        slot, scales = self.view_slot, (layer._k_scale_float, layer._v_scale_float, self.fp8)
+        kernels.write(packed, md.slot_mapping, window, window_md.slot_mapping, k, v, slot, *scales)
         nd = md.num_decodes
         if nd:
             out[:nd] = kernels.decode(
                 q[:nd], packed, md.block_table[:nd], window, window_md.block_table[:nd], md.seq_lens[:nd],
-                self.plan, self.slot, self.scale, layer._k_scale_float, layer._v_scale_float, self.fp8,
+                self.plan, slot, self.scale, *scales,
             )  # fmt: skip
         for row, start, end, cached in md.extends:
             kk, vv = request_kv(
-                self.plan, self.slot, packed, md.block_table[row], window, window_md.block_table[row],
-                cached + end - start, cached, k[start:end], v[start:end], q.dtype,
-                layer._k_scale_float, layer._v_scale_float, self.fp8,
+                self.plan, slot, packed, md.block_table[row], window, window_md.block_table[row],
+                cached + end - start, cached, k[start:end], v[start:end], q.dtype, *scales,
             )  # fmt: skip
-            out[start:end] = reference_attention(self.plan, self.slot, q[start:end], kk, vv, cached, self.scale)
+            out[start:end] = reference_attention(self.plan, slot, q[start:end], kk, vv, cached, self.scale)
         return output
-
-    def _write(
-        self,
-        packed: torch.Tensor,
-        packed_slots: torch.Tensor,
-        window: torch.Tensor,
-        window_slots: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-    ) -> None:
-        """The step's K/V into this layer's columns: a packed row for every token, a full row for the
-        tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing).
-        On CUDA a Triton kernel with no host sync (:func:`~leank_infer.vllm.kernels.write`)."""
-        kernels.write(
-            packed, packed_slots, window, window_slots, k, v, self.slot,
-            layer._k_scale_float, layer._v_scale_float, self.fp8,
-        )  # fmt: skip
 
 
 def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
@@ -214,6 +198,7 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
         module = layers[index][1]
         impl = module.impl
         impl.plan, impl.slot = plan, plan.slots[index]
+        impl.view_slot = impl.slot.in_view()
         impl.window_store = windows[impl.slot.window_store]
         impl.window_name = impl.window_store.layer_name
         module.kv_sharing_target_layer_name = packed_name

@@ -103,8 +103,9 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("LEANK_CACHE") or str(Path.home() / ".cache" / "leank")
-    return Path(root) / "vllm-kernel"
+    from ..folders.cache_root import cache_root
+
+    return cache_root() / "vllm-kernel"
 
 
 def _cpu_id() -> str:
@@ -147,9 +148,11 @@ def build(extra: list[str] | None = None, directory: Path | None = None) -> Path
 
 
 def _load() -> ctypes.CDLL | None:
+    from ..folders.cache_root import CacheRootError
+
     try:
         lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, CacheRootError) as e:
         log.warning("LeanK: the CPU decode kernel is not available (%s); the PyTorch decode is used", e)
         return None
     lib.leank_cpu_decode.restype = ctypes.c_int
