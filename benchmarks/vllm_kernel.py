@@ -12,39 +12,14 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
   scheduler metadata built as its metadata builder does, once per step and not timed, with its ISA choice and its
   default split-KV), over dense pages in shuffled blocks of 128 tokens (vLLM's CPU default), one cache per layer
   (cycled over as many copies as ``--memory-gb`` allows).
-- **LeanK**: :func:`leank_infer.vllm.cpu_decode.decode` over the pages as the plugin lays them out today
-  (:mod:`leank_infer.vllm.pool`: one packed row per token holding every layer's columns, 17 KB here; window
-  pages for the sink and window; shuffled blocks of 16 tokens, the plugin's default).
-- **LeanK, layer-major page** (not the plugin's layout; for the lead): the same bytes per page, but inside a
-  page each layer's columns of the block's tokens are one contiguous run (``[layer][token][column]``), which
-  the same kernel reads through a view. It shows what the token-major row costs: a layer reads a ~0.6 KB slice
-  every 17 KB, which this machine serves at a fraction of its streaming bandwidth.
+- **LeanK**: :func:`leank_infer.vllm.cpu_decode.decode` over the pages as the plugin lays them out
+  (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
+  the window pages of the sink and the window; shuffled blocks), each layer through its own views.
 
-Each figure is the median time of a whole step (the three alternating, so that a loaded machine disturbs them
+Each figure is the median time of a whole step (the two alternating, so that a loaded machine disturbs them
 alike), in milliseconds: CPU time of the calling thread on one thread (where every kernel runs), wall time on
-more; ``x`` is vLLM's time over LeanK's (above 1: LeanK is faster). The LeanK
-pools hold ``batch x context`` tokens of 17 KB: sizes past ``--memory-gb`` are left out (``-``).
-
-Measured on the 2-core development VM (Xeon, AVX-512) at commit f44db16, load average 5.5 from other jobs (so
-the 2-thread wall times say little; the 1-thread CPU times are the comparison):
-
-    batch    ctx thr |  vLLM ms | LeanK ms     x | layer-major     x
-        1   2048   1 |     13.5 |     10.7  1.26 |         7.2  1.87
-        1   2048   2 |    609.9 |    326.7  1.87 |       332.0  1.84
-        4   2048   1 |     52.6 |     47.0  1.12 |        31.3  1.68
-        4   2048   2 |    386.4 |    372.0  1.04 |       376.0  1.03
-       16   2048   1 |    202.5 |    178.1  1.14 |       120.2  1.68
-       16   2048   2 |    734.1 |    714.0  1.03 |       582.1  1.26
-       64   2048   1 |    804.9 |    899.4  0.89 |       539.7  1.49
-       64   2048   2 |   1783.9 |   1964.0  0.91 |      1295.4  1.38
-        1   8192   1 |     57.7 |     40.5  1.43 |        28.7  2.01
-        1   8192   2 |    512.0 |    295.4  1.73 |       277.2  1.85
-        4   8192   1 |    224.6 |    169.3  1.33 |       112.1  2.00
-        4   8192   2 |    479.6 |    395.1  1.21 |       305.3  1.57
-       16   8192   1 |    818.5 |    735.1  1.11 |       461.0  1.78
-       16   8192   2 |   1388.7 |   1334.2  1.04 |       850.0  1.63
-       64   8192   1 |        - |        -       |           -
-       64   8192   2 |        - |        -       |           -
+more; ``x`` is vLLM's time over LeanK's (above 1: LeanK is faster). Sizes whose pages would pass
+``--memory-gb`` are left out (``-``). The measured table is in docs/vllm.md with the command and the load.
 """
 
 from __future__ import annotations
@@ -122,34 +97,21 @@ def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
 
 
 def leank_pages(plan, batch: int, context: int, g: torch.Generator, bs: int = 16):
-    """Packed and window pages (random, finite) of ``batch`` requests of ``context`` tokens, shuffled blocks."""
+    """The packed and window stores' caches (random, finite; ``[blocks, 1, block_size, row]`` as vLLM binds
+    them) of ``batch`` requests of ``context`` tokens, shuffled blocks, with their block tables."""
     per_req = -(-context // bs)
     n_blocks = batch * per_req + 1
-    packed = torch.randn(n_blocks, bs, plan.packed_row, generator=g)
+    packed = torch.randn(n_blocks, 1, bs, plan.packed_row, generator=g)
     table = (torch.randperm(n_blocks - 1, generator=g)[: batch * per_req] + 1).view(batch, per_req).int()
     # window pages: the sink's blocks and the window's, as the engine keeps them (null block 0 elsewhere)
     p = context - 1
     keep = [i for i in range(per_req) if i * bs < plan.sink or (i + 1) * bs > p - plan.window]
     w_blocks = batch * len(keep) + 1
-    window = torch.randn(w_blocks, bs, plan.window_row, generator=g)
+    window = torch.randn(w_blocks, 1, bs, plan.window_row, generator=g)
     wtable = torch.zeros(batch, per_req, dtype=torch.int32)
     ids = torch.randperm(w_blocks - 1, generator=g) + 1
     wtable[:, keep] = ids[: batch * len(keep)].view(batch, len(keep)).int()
     return packed, table, window, wtable
-
-
-def layer_major(pool: torch.Tensor, plan, layer: int):  # noqa: ANN001
-    """``plan``'s layer ``layer`` read from ``pool`` as if its pages were laid out layer by layer: a view
-    ``[blocks, block_size, width]`` of the page's run for that layer, and a slot starting at column 0."""
-    import dataclasses
-
-    slot = plan.slots[layer]
-    nb, bs, row = pool.shape
-    view = torch.as_strided(
-        pool, (nb, bs, slot.packed_width), (pool.stride(0), slot.packed_width, 1),
-        pool.storage_offset() + bs * slot.packed_offset,
-    )  # fmt: skip
-    return view, dataclasses.replace(slot, packed_offset=0)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -180,16 +142,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"load {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs; mask {Path(args.mask).name}, "
         f"{len(layers)} layers, packed row {plan.packed_row * 4} B; LeanK blocks of {args.block_size}"
     )
-    print(
-        f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM ms':>8} | {'LeanK ms':>8} {'x':>5} | {'layer-major':>11} {'x':>5}"
-    )
+    print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM ms':>8} | {'LeanK ms':>8} {'x':>5}")
     budget = args.memory_gb * 2**30
     for context in [int(x) for x in args.contexts.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
             tokens = batch * context
             if tokens * plan.packed_row * 4 > budget:
                 for threads in [int(x) for x in args.threads.split(",")]:
-                    print(f"{batch:>5} {context:>6} {threads:>3} | {'-':>8} | {'-':>8} {'':>5} | {'-':>11}")
+                    print(f"{batch:>5} {context:>6} {threads:>3} | {'-':>8} | {'-':>8}")
                 continue
             copies = int(max(1, min(len(layers), budget // (tokens * 2 * hkv * d * 4))))
             vcalls = [vllm_call(batch, context, hkv, d, g) for _ in range(copies)]
@@ -197,11 +157,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             q = torch.randn(batch, HQ, d, generator=g)
             seq = torch.full((batch,), context, dtype=torch.int32)
             packed, table, window, wtable = leank_pages(plan, batch, context, g, args.block_size)
-            today = [(q, packed, table, window, wtable, seq, plan, plan.slots[i], d**-0.5) for i in layers]
-            major = []
-            for i in layers:
-                view, slot = layer_major(packed, plan, i)
-                major.append((q, view, table, window, wtable, seq, plan, slot, d**-0.5))
+            leank = [
+                (q, s.packed_view(packed), table, s.window_view(window), wtable, seq, plan, s.in_view(), d**-0.5)
+                for s in (plan.slots[i] for i in layers)
+            ]
 
             def vllm_step(vcalls=vcalls) -> None:
                 for j in range(len(layers)):
@@ -213,11 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             for threads in [int(x) for x in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                steps = {
-                    "vllm": vllm_step,
-                    "today": lambda t=today: leank_step(t),
-                    "major": lambda m=major: leank_step(m),
-                }
+                steps = {"vllm": vllm_step, "leank": lambda c=leank: leank_step(c)}
                 times: dict[str, list[float]] = {k: [] for k in steps}
                 for k in steps.values():
                     k()  # warm-up (and vLLM's scheduler metadata for this thread count)
@@ -236,11 +191,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
                 rows.append(row)
                 print(
-                    f"{batch:>5} {context:>6} {threads:>3} | {med['vllm']:>8.1f} | {med['today']:>8.1f} "
-                    f"{med['vllm'] / med['today']:>5.2f} | {med['major']:>11.1f} {med['vllm'] / med['major']:>5.2f}",
+                    f"{batch:>5} {context:>6} {threads:>3} | {med['vllm']:>8.1f} | {med['leank']:>8.1f} "
+                    f"{med['vllm'] / med['leank']:>5.2f}",
                     flush=True,
                 )
-            del vcalls, packed, window, today, major
+            del vcalls, packed, window, leank
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa'] if rows else '?'}")
     return rows
 
