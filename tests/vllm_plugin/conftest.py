@@ -71,9 +71,11 @@ def reference_tokens(prompts: list[list[int]], max_new_tokens: int, mask: str = 
 _REFERENCE: dict[str, list[list[int]]] = {}  # one reference run per job and session
 
 
-def plain_kv_tokens(block_size: int = 128) -> int:
-    """Tokens plain vLLM fits in the KV space for the embedded model in fp32 (its own formula, in whole blocks)."""
-    dense = 2 * 30 * 3 * 64 * 4  # K+V, 30 layers, 3 KV heads, head_dim 64, fp32
+def plain_kv_tokens(block_size: int = 128, element_bytes: int = 4) -> int:
+    """Tokens plain vLLM fits in the KV space for the embedded model (its own formula, in whole blocks).
+
+    ``element_bytes``: 4 for fp32 KV, 1 for fp8."""
+    dense = 2 * 30 * 3 * 64 * element_bytes  # K+V, 30 layers, 3 KV heads, head_dim 64
     return (KV_SPACE_GIB * 2**30 // (dense * block_size)) * block_size
 
 
@@ -89,9 +91,13 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def leank_llm(model_dir):
-    """One LeanK engine for the session (vLLM loads are slow on a shared CPU), stats on (preemptions, hits)."""
+    """One LeanK engine per test module, stats on (preemptions, hits).
+
+    Per module, not per session: deleting any in-process engine tears down vLLM's process-wide parallel
+    state (``EngineCore.shutdown`` calls ``cleanup_dist_env_and_memory``), so an engine cannot outlive
+    another module's engines."""
     from vllm import LLM
 
     llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server with a LeanK mask as a user runs it: localhost, the openai client, then stopped."""
+"""vLLM's OpenAI server with a LeanK mask as a user runs it (vLLM's default flags): localhost, the openai client."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def server(model_dir, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
         "--additional-config", json.dumps({"leank_mask": MASK}),
-        "--dtype", "float32", "--max-model-len", "4096", "--max-num-batched-tokens", "4096",
-        "--max-num-seqs", "8", "--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-    ]  # fmt: skip
+        "--dtype", "float32", "--max-model-len", "4096",
+        "--max-num-seqs", "8",
+    ]  # fmt: skip  (otherwise vLLM's defaults: prefix caching, chunked prefill, its compilation)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
