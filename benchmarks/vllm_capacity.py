@@ -6,7 +6,7 @@
 Each engine starts in a fresh process on the embedded SmolLM2-135M-Instruct (the de-quantised copy in
 ``~/.cache/leank``, offline; fp32 weights) with ``VLLM_CPU_KVCACHE_SPACE=--kv-gib`` and vLLM's defaults
 (prefix caching and chunked prefill on). Per KV dtype (``auto`` = fp32, ``fp8``) and context C
-(``max_model_len = C``) it prints what vLLM reports at start-up: "KV cache size: N tokens", which is
+(``max_model_len = C``; eager mode, which does not change the pool) it prints what vLLM reports at start-up: "KV cache size: N tokens", which is
 vLLM's maximum concurrency for C-token requests times C. With a mask that count includes everything
 LeanK stores (packed rows for every token, and per request the full-channel sink and window pages at
 their peak), so the ratio is the gain a user sees in vLLM's own report. The last thing printed is a
@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results  # noqa: E402
 
 
 def model_dir() -> str:
@@ -46,7 +49,10 @@ def child(args: argparse.Namespace) -> None:
     from vllm import LLM
 
     extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
-    llm = LLM(model=model_dir(), dtype="float32", max_model_len=args.context, kv_cache_dtype=args.dtype, **extra)
+    # enforce_eager: the pool does not depend on compilation (on CPU its size is VLLM_CPU_KVCACHE_SPACE), and
+    # skipping it makes each engine start in seconds
+    llm = LLM(model=model_dir(), dtype="float32", max_model_len=args.context, kv_cache_dtype=args.dtype,
+              enforce_eager=True, **extra)  # fmt: skip
     cache = llm.llm_engine.vllm_config.cache_config
     print("RESULT " + json.dumps({
         "mask": args.mask or "plain", "context": args.context, "kv_dtype": args.dtype,
@@ -71,6 +77,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--dtypes", nargs="+", default=["auto", "fp8"], help="kv_cache_dtype values")
     p.add_argument("--json", type=Path)
+    p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-capacity.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, help=argparse.SUPPRESS)
     p.add_argument("--mask", default="", help=argparse.SUPPRESS)
@@ -91,13 +98,19 @@ def main() -> None:
                 row["ratio"] = row["kv_cache_tokens"] / plain["kv_cache_tokens"]
                 rows.append(row)
                 print(f"{dtype} {context} {mask}: {row['kv_cache_tokens']:,} tokens ({row['ratio']:.2f}x)", flush=True)
-    print(f"\nembedded SmolLM2-135M-Instruct, fp32 weights, VLLM_CPU_KVCACHE_SPACE={args.kv_gib} GiB, vLLM defaults")
-    print("| KV dtype | max_model_len | engine | KV cache size (tokens) | vs plain |")
-    print("|---|---|---|---|---|")
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct, fp32 weights, VLLM_CPU_KVCACHE_SPACE={args.kv_gib} GiB, vLLM's defaults.",
+        "",
+        "| KV dtype | max_model_len | engine | KV cache size (tokens) | vs plain |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "1.00x"
         dtype = "fp32" if r["kv_dtype"] == "auto" else r["kv_dtype"]
-        print(f"| {dtype} | {r['context']} | {r['mask']} | {r['kv_cache_tokens']:,} | {ratio} |")
+        lines.append(f"| {dtype} | {r['context']} | {r['mask']} | {r['kv_cache_tokens']:,} | {ratio} |")
+    print("\n" + "\n".join(lines))
+    if args.save:
+        print(f"saved {results.save('vllm-capacity', chr(10).join(lines))}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

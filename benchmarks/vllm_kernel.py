@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--block-size", type=int, default=16, help="LeanK's page size (vLLM's stays 128)")
     p.add_argument("--memory-gb", type=float, default=3.0, help="the most each side's pages may take")
     p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
+    p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-kernel.json")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
     from leank_infer.vllm import cpu_decode
@@ -197,6 +198,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
             del vcalls, packed, window, leank
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa'] if rows else '?'}")
+    lines = [
+        f"One decode step (30 layer calls), mask {Path(args.mask).name}, fp32, milliseconds: CPU time of the thread "
+        "on 1 thread, wall time on more; x = vLLM's time over LeanK's.",
+        "",
+        "| batch | context | threads | vLLM's kernel (ms) | LeanK's kernel (ms) | x |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['batch']} | {r['context']} | {r['threads']} | {r['vllm_ms']:.1f} | {r['leank_ms']:.1f} | "
+            f"{r['vllm_ms'] / r['leank_ms']:.2f} |"
+            for r in rows
+        ),
+    ]
+    if args.save:
+        import results
+
+        print(f"saved {results.save('vllm-kernel', chr(10).join(lines))}")
     return rows
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import results  # noqa: E402
 from vllm_capacity import model_dir  # noqa: E402
 
 
@@ -106,6 +107,7 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=["prefix", "ttft"], choices=["prefix", "ttft"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
+    p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-serving.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -123,16 +125,24 @@ def main() -> None:
                 sys.exit(f"engine failed ({mask or 'plain'}, {workload}):\n{run.stderr[-4000:]}")
             rows.append(json.loads(line[-1][7:]))
             print(rows[-1], flush=True)
-    print(f"\nembedded SmolLM2-135M-Instruct, fp32, {args.kv_gib} GiB KV, {args.threads} threads, mask {args.mask}")
-    print("| workload | engine | result |")
-    print("|---|---|---|")
+    mask = Path(args.mask).resolve()
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct, fp32, {args.kv_gib} GiB KV, {args.threads} threads, mask "
+        f"{mask.relative_to(ROOT) if mask.is_relative_to(ROOT) else mask}, vLLM's defaults.",
+        "",
+        "| workload | engine | result |",
+        "|---|---|---|",
+    ]
     for r in rows:
         if r["workload"] == "prefix":
             text = f"{r['wall_s']:.1f} s, {r['output_tok_s']:.1f} output tok/s, prefix hit rate {r['hit_rate']:.2f}"
         else:
             text = (f"TTFT median {r['ttft_median_s']:.2f} s ({', '.join(f'{t:.2f}' for t in r['ttft_s'])}), "
                     f"the 8 decoders {r['decode_tok_s_during']:.1f} tok/s meanwhile")  # fmt: skip
-        print(f"| {r['workload']} | {r['engine']} | {text} |")
+        lines.append(f"| {r['workload']} | {r['engine']} | {text} |")
+    print("\n" + "\n".join(lines))
+    if args.save:
+        print(f"saved {results.save('vllm-serving', chr(10).join(lines))}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

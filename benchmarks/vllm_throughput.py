@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import results  # noqa: E402
 from vllm_capacity import model_dir  # noqa: E402
 
 DENSE_TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # the embedded model's K+V per token, fp32
@@ -109,6 +110,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cap-gib", type=float, default=4.0, help="largest KV pool of an equal-batch engine")
     p.add_argument("--json", type=Path)
+    p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-throughput.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, help=argparse.SUPPRESS)
     p.add_argument("--phase", help=argparse.SUPPRESS)
@@ -126,9 +128,14 @@ def main() -> None:
                     rows += run(args, mask, context, threads, "equal", fits, kv)
                 rows += run(args, mask, context, threads, "max", [], 2**30)
                 print(rows[-1], flush=True)
-    print(f"\nembedded SmolLM2-135M-Instruct, fp32, mask {args.mask}; {os.cpu_count()} CPUs")
-    print("| threads | context | batch | plain tok/s (CPU-time) | LeanK tok/s (CPU-time) | LeanK / plain |")
-    print("|---|---|---|---|---|---|")
+    mask = Path(args.mask).resolve()
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct, fp32, mask {mask.relative_to(ROOT) if mask.is_relative_to(ROOT) else mask}, "
+        "vLLM's defaults; decode tokens/s over the wall clock (over the process's CPU time in brackets).",
+        "",
+        "| threads | context | batch | plain tok/s | LeanK tok/s | LeanK / plain |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in (r for r in rows if r["engine"] == "plain"):
         other = [x for x in rows if x["engine"] == "leank" and (x["threads"], x["context"], x["batch"]) ==
                  (r["threads"], r["context"], r["batch"])]  # fmt: skip
@@ -136,8 +143,11 @@ def main() -> None:
             continue
         o = other[0]
         batch = f"max ({r['running']:.0f} vs {o['running']:.0f})" if r["batch"] == "max" else r["batch"]
-        print(f"| {r['threads']} | {r['context']} | {batch} | {r['tok_s']:.1f} ({r['tok_cpu_s']:.1f}) | "
-              f"{o['tok_s']:.1f} ({o['tok_cpu_s']:.1f}) | {o['tok_s'] / r['tok_s']:.2f}x |")  # fmt: skip
+        lines.append(f"| {r['threads']} | {r['context']} | {batch} | {r['tok_s']:.1f} ({r['tok_cpu_s']:.1f}) | "
+                     f"{o['tok_s']:.1f} ({o['tok_cpu_s']:.1f}) | {o['tok_s'] / r['tok_s']:.2f}x |")  # fmt: skip
+    print("\n" + "\n".join(lines))
+    if args.save:
+        print(f"saved {results.save('vllm-throughput', chr(10).join(lines))}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

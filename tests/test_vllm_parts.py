@@ -14,7 +14,7 @@ from leank_infer.vllm.settings import ENV_MASK, LeanKSettings, settings_from
 
 @pytest.mark.parametrize("prefill", [1, 5, 20, 23, 40])
 def test_recent_start_follows_the_hf_cache(prefill):
-    """The rule's closed form (what the vLLM backend calls) gives the HF cache layer's recent start at every decode step."""
+    """The dense-prefill rule's closed form gives the HF cache layer's recent start at every decode step."""
     sink, recent, accumu = 4, 8, 3
     layer = LeanKLayer(torch.ones(2, 8, dtype=torch.bool), sink, recent, accumu)
     layer.update(torch.randn(1, 2, prefill, 8), torch.randn(1, 2, prefill, 8))

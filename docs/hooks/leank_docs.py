@@ -7,7 +7,9 @@
   ``<!-- leank:masks-table -->`` (the headline table of the published masks),
   ``<!-- leank:recipes-table -->`` (which recipe gives which mask, its budget and score),
   ``<!-- leank:suite-table -->`` (the evaluation suite's rows of every evaluated mask, per task),
-  ``<!-- leank:cli -->`` (the ``leank`` command reference, rendered from the real parsers).
+  ``<!-- leank:cli -->`` (the ``leank`` command reference, rendered from the real parsers), and
+  ``<!-- leank:NAME -->`` for a benchmark's measured table, ``docs/results/NAME.json`` (written by the
+  benchmark's ``--save``, ``benchmarks/results.py``), shown with its command and date.
 
 The same functions print the README's mask table: ``python docs/hooks/leank_docs.py masks-table``
 (``tests/test_docs.py`` checks that README.md holds exactly that output).
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HUB = ROOT / "hub"
 RECIPES = ROOT / "recipes"
 MARKER = re.compile(r"<!-- leank:([\w-]+) -->")
+RESULTS = ROOT / "docs" / "results"
 STATS_COMMAND = (
     "python -c \"import torch; from leank_infer import ChannelMask; "
     "print(ChannelMask.from_pretrained('{folder}').stats(dtype=torch.bfloat16))\""
@@ -229,6 +232,15 @@ def suite_table(link: Callable[[str], str]) -> str:
     return "\n".join(out)
 
 
+def results_table(name: str) -> str:
+    """A benchmark's saved table (``benchmarks/results.py``) with the command and the date it was measured."""
+    r = json.loads((RESULTS / f"{name}.json").read_text())
+    return (
+        f"{r['markdown']}\n\nMeasured {r['date']} ({r['cpus']} CPUs, load average {r['load_1min']} at the end):\n\n"
+        f"```bash\n{r['command']}\n```\n"
+    )
+
+
 def _help_text(name: str) -> str:
     """``leank NAME --help`` as the real parser prints it (100 columns), without running the command."""
     from leank_infer import cli
@@ -321,9 +333,11 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     }
 
     def replace(m: re.Match) -> str:
-        if m.group(1) not in generators:
-            raise ValueError(f"{page.file.src_uri}: unknown marker {m.group(0)}")
-        return generators[m.group(1)]()
+        if m.group(1) in generators:
+            return generators[m.group(1)]()
+        if (RESULTS / f"{m.group(1)}.json").is_file():
+            return results_table(m.group(1))
+        raise ValueError(f"{page.file.src_uri}: unknown marker {m.group(0)} (and no docs/results/{m.group(1)}.json)")
 
     return MARKER.sub(replace, markdown)
 

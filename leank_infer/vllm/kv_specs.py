@@ -12,7 +12,11 @@ window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowM
 - allocates real blocks only for tokens some later query reads with every channel (the sink and
   the last ``sliding_window`` tokens of what is computed at the end of the step; a long prefill
   chunk reads its own tokens from the step's K/V), and null blocks for the rest,
-- counts a prefix-cache hit only where the sink blocks and the window before the hit are cached.
+- counts a prefix-cache hit only where the sink blocks and the window before the hit are cached,
+- keeps real blocks for the window before a shared-prefix junction: when a request shares a prefix
+  with cached packed pages that the window pages do not cover (vLLM's ``shared_prefix_boundary``, as
+  for its sliding-window and Mamba groups), the window ending there is written and cached, so the
+  requests after it hit the prefix cache at the junction.
 
 It is registered with vLLM's :class:`~vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry`, the
 interface vLLM 0.32 gives out-of-tree code for new spec types (:func:`register`). vLLM allocates,
@@ -70,6 +74,7 @@ class LeanKWindowManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec: LeanKWindowSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.sink_blocks = kv_cache_spec.sink_blocks
+        self._step_blocks: dict[str, list[Any]] = {}  # per request, the list the last allocation returned
 
     # ---- which blocks hold data ----------------------------------------------------------------
     def _real(self, index: int, num_tokens: int) -> bool:
@@ -128,7 +133,37 @@ class LeanKWindowManager(SlidingWindowManager):
         blocks.extend(new)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new if not b.is_null)
+        self._step_blocks[request_id] = new
         return new  # the worker appends these to its block table: nulls keep the positions aligned
+
+    def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, **kwargs: Any) -> None:
+        self._keep_junction_window(request, num_tokens)
+        super().cache_blocks(request, num_tokens, retention_interval, **kwargs)
+
+    def _keep_junction_window(self, request: Any, num_tokens: int) -> None:
+        """Real blocks, in place of this step's null ones, for the window before the request's shared-prefix
+        junction (vLLM calls ``cache_blocks`` right after the allocation, before the worker sees the blocks).
+
+        Only whole blocks this step allocated and computes, and only while the pool has them free: the
+        junction is an optimisation, never a reason to fail or to evict."""
+        junction = getattr(request, "shared_prefix_boundary", 0) // self.block_size * self.block_size
+        new = self._step_blocks.pop(request.request_id, None)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not junction or not new or blocks is None or junction > num_tokens:
+            return
+        offset = len(blocks) - len(new)  # blocks[offset:] are this step's
+        first = max(self.sink_blocks, offset, max(0, junction - self.sliding_window + 1) // self.block_size)
+        tail = [i for i in range(first, junction // self.block_size) if blocks[i].is_null]
+        if not tail or self.block_pool.get_num_free_blocks() < len(tail):
+            return
+        for i, block in zip(tail, self.block_pool.get_new_blocks(len(tail)), strict=True):
+            blocks[i] = new[i - offset] = block
+            if self._record_new_block_ids:
+                self.new_block_ids.append(block.block_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[Any]:
+        self._step_blocks.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
     def add_local_computed_blocks(
         self,

