@@ -34,7 +34,9 @@ def variant(spec: str) -> str:
         key, _, value = item.partition("=")
         if not hasattr(task, key):
             raise SystemExit(f"task {name!r} has no parameter {key!r}")
-        setattr(task, key, type(getattr(task, key))(value))
+        old = getattr(task, key)
+        # a tuple (haystacks) is given as names joined by "+": haystacks=filler+docs
+        setattr(task, key, tuple(value.split("+")) if isinstance(old, tuple) else type(old)(value))
     if hasattr(task, "top"):  # common words: the generation budget follows the word count
         task.max_new_tokens = 6 * task.top + 8
     task.name = f"{name}[{params}]"
