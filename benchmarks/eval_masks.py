@@ -13,7 +13,9 @@ probes: the first rule's methods keep the names above, the others' get the rule 
 ``--from-json F --card`` writes the cards from a run saved with ``--json F`` (the masks given must be among
 the run's, in any order), next to the command that measured them, without answering again. Several saved runs (``--from-json F1K F4K F8K``, say
 one per length, each with its own probes per task) give each card the rows of all of them, each row next to
-the command that measured it. ``--sweep-plot PNG`` draws the masks' headline scores and cache bytes against
+the command that measured it. ``--tasks`` takes variants of the suite's tasks too (``passkey:haystacks=filler``,
+``niah_multikey:distractors=0``: ``leank_train.evaluation.tasks.task_variant``), answered and saved under their own
+names (``passkey[haystacks=filler]``). ``--sweep-plot PNG`` draws the masks' headline scores and cache bytes against
 their ratios at every length of the run(s) (with ``--card``, into each mask's card, this command under it).
 
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
@@ -34,10 +36,12 @@ import torch
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.decode.rule import DENSE_PREFILL, RULES
 from leank_infer.hub.card import write_model_card
+from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
 from leank_train.evaluation.report import card_results, format_table, renamed
 from leank_train.evaluation.settings import TASK_NAMES
+from leank_train.evaluation.tasks import task_variant
 
 
 def mask_tags(masks: list[ChannelMask]) -> list[str]:
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES))
+    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES),
+                   help="suite tasks, or variants of them: passkey:haystacks=filler, niah_multikey:distractors=0")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rules", nargs="+", choices=RULES, default=[DENSE_PREFILL],
@@ -101,8 +106,12 @@ def main(argv: list[str] | None = None) -> None:
             res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
             runs.append({**res, "tags": [theirs[m] for m in args.masks]})
     else:
+        try:
+            tasks = [task_variant(t) for t in args.tasks]
+        except RecipeError as e:
+            sys.exit(str(e))
         start = time.perf_counter()
-        res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
+        res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=tasks)
         runs.append({"command": cmd, "seconds": time.perf_counter() - start, **res})
         if args.json:
             args.json.write_text(json.dumps(runs[0], indent=1, default=str))

@@ -88,3 +88,21 @@ def test_cards_and_the_sweep_from_runs_at_two_lengths(eval_masks, tmp_path, caps
         assert "sweep.png" in record["figures"] and (folder / "sweep.png").is_file()
         text = (folder / "README.md").read_text()
         assert all(res["command"] in text for res in saved.values())
+
+
+def test_tasks_take_variants_the_run_names_them_by(eval_masks, tmp_path, monkeypatch):
+    """Issue #34: at 4k-8k the suite answers variants of its tasks (``passkey:haystacks=filler``), named in the
+    saved run and its cards as ``passkey[haystacks=filler]``; an unknown parameter stops the run."""
+    from leank_train.evaluation import tasks as suite
+
+    monkeypatch.setattr(suite, "TASKS", dict(suite.TASKS))  # the variant stays in this test
+    mask_dir, _ = tiny_repo(tmp_path)
+    out = tmp_path / "run.json"
+    eval_masks.main([str(mask_dir), "--lengths", "300", "--samples", "2", "--tasks", "passkey:haystacks=filler",
+                     "--threads", "1", "--seed", "0", "--no-baselines", "--json", str(out), "--card"])
+    run = json.loads(out.read_text())
+    assert list(run["tasks"]) == ["passkey[haystacks=filler]"]
+    assert {a["haystack"] for a in run["answers"]} == {"filler"}
+    assert "passkey[haystacks=filler]" in (mask_dir / "README.md").read_text()
+    with pytest.raises(SystemExit, match="no parameter 'depth'"):
+        eval_masks.main([str(mask_dir), "--lengths", "300", "--tasks", "passkey:depth=2", "--no-baselines"])
