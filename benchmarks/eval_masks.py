@@ -10,8 +10,13 @@ time taken. ``--card`` rewrites each mask's model card with its own rows (the fu
 ``--rules dense-prefill positional`` answers with each mask (and baseline) under each LeanK rule on the same
 probes: the first rule's methods keep the names above, the others' get the rule as a suffix
 (``leank-r70-positional``); the cards take the first rule's.
-``--from-json F --card`` writes the cards from a run saved with ``--json F`` (same masks, same order), next to
-the command that measured them, without answering again.
+``--from-json F --card`` writes the cards from a run saved with ``--json F`` (the masks given must be among
+the run's, in any order), next to the command that measured them, without answering again. Several saved runs (``--from-json F1K F4K F8K``, say
+one per length, each with its own probes per task) give each card the rows of all of them, each row next to
+the command that measured it. ``--tasks`` takes variants of the suite's tasks too (``passkey:haystacks=filler``,
+``niah_multikey:distractors=0``: ``leank_train.evaluation.tasks.task_variant``), answered and saved under their own
+names (``passkey[haystacks=filler]``). ``--sweep-plot PNG`` draws the masks' headline scores and cache bytes against
+their ratios at every length of the run(s) (with ``--card``, into each mask's card, this command under it).
 
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
         --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json] [--card]
@@ -31,10 +36,25 @@ import torch
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.decode.rule import DENSE_PREFILL, RULES
 from leank_infer.hub.card import write_model_card
+from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
 from leank_train.evaluation.report import card_results, format_table, renamed
 from leank_train.evaluation.settings import TASK_NAMES
+from leank_train.evaluation.tasks import task_variant
+
+
+def mask_tags(masks: list[ChannelMask]) -> list[str]:
+    """Each mask's method suffix in a run: ``r70`` for ratio 0.7; two of one ratio ``r70``, ``r70-2``, ..."""
+    tags: list[str] = []
+    for mask in masks:
+        tag = base = f"r{round(mask.ratio * 100)}"
+        n = 1
+        while tag in tags:
+            n += 1
+            tag = f"{base}-{n}"
+        tags.append(tag)
+    return tags
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,59 +63,85 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES))
+    p.add_argument("--tasks", nargs="+", default=list(TASK_NAMES),
+                   help="suite tasks, or variants of them: passkey:haystacks=filler, niah_multikey:distractors=0")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rules", nargs="+", choices=RULES, default=[DENSE_PREFILL],
                    help="LeanK rules to answer with (each mask and baseline once per rule)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="no evaluation: the results of an earlier run's --json (the same masks in the same order)")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None,
+                   help="no evaluation: the results of earlier runs' --json (each answered with every mask given)")
+    p.add_argument("--sweep-plot", type=Path, default=None,
+                   help="draw the masks' headline score and bytes against their ratio at each length (a .png)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     cmd = shlex.join(["python", "benchmarks/eval_masks.py", *argv])
     torch.set_num_threads(args.threads)
     lm = LeanKModel.from_pretrained(args.masks[0])
-    methods, tags = [Full()], []
-    for path in args.masks:
-        mask = ChannelMask.from_pretrained(path)
+    loaded = {path: ChannelMask.from_pretrained(path) for path in args.masks}
+    for mask in loaded.values():
         mask.validate(lm.model.config)
-        tag = base = f"r{round(mask.ratio * 100)}"
-        n = 1
-        while tag in tags:  # two masks of one ratio (candidates side by side): r80, r80-2, ...
-            n += 1
-            tag = f"{base}-{n}"
-        tags.append(tag)
+    tags = mask_tags(list(loaded.values()))
+    methods = [Full()]
+    for path, tag in zip(args.masks, tags, strict=True):
         for i, rule in enumerate(args.rules):
             suffix = "" if i == 0 else f"-{rule}"
-            methods.append(Learned(f"leank-{tag}{suffix}", mask, rule=rule))
+            methods.append(Learned(f"leank-{tag}{suffix}", loaded[path], rule=rule))
             if not args.no_baselines:
-                methods += [RandomChannels(f"random-{tag}{suffix}", like=mask, rule=rule),
-                            ThinK(f"think-{tag}{suffix}", like=mask, rule=rule)]
+                methods += [RandomChannels(f"random-{tag}{suffix}", like=loaded[path], rule=rule),
+                            ThinK(f"think-{tag}{suffix}", like=loaded[path], rule=rule)]
+    # per run: the run's own suffix of each mask given (a run may have answered with more masks, in any order)
+    runs: list[dict] = []
     if args.from_json:
-        res = json.loads(args.from_json.read_text())
-        measured = p.parse_args(shlex.split(res["command"])[2:]).masks
-        if measured != args.masks:
-            sys.exit(f"{args.from_json} answered with the masks {measured}, not {args.masks}: "
-                     f"give the masks of its command, in its order: {res['command']}")
-        cmd, took = res["command"], res["seconds"]
-        res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
+        for path in args.from_json:
+            res = json.loads(path.read_text())
+            measured = p.parse_args(shlex.split(res["command"])[2:]).masks
+            missing = [m for m in args.masks if m not in measured]
+            if missing:
+                sys.exit(f"{path} answered with the masks {measured}, not {missing}: "
+                         f"give masks of its command: {res['command']}")
+            theirs = dict(zip(measured, mask_tags([ChannelMask.from_pretrained(m) for m in measured]), strict=True))
+            res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
+            runs.append({**res, "tags": [theirs[m] for m in args.masks]})
     else:
+        try:
+            tasks = [task_variant(t) for t in args.tasks]
+        except RecipeError as e:
+            sys.exit(str(e))
         start = time.perf_counter()
-        res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=args.tasks)
-        took = time.perf_counter() - start
-    probes = len(res["answers"])
-    print(f"`{cmd}`\n")
-    print(format_table(res))
-    print(f"\n{probes} probes, {len(methods)} methods, {took / 60:.1f} min wall ({probes / took:.3f} probes/s), "
-          f"{torch.get_num_threads()} torch threads")
-    if args.json and not args.from_json:
-        args.json.write_text(json.dumps({"command": cmd, "seconds": took, **res}, indent=1, default=str))
+        res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=tasks)
+        runs.append({"command": cmd, "seconds": time.perf_counter() - start, **res})
+        if args.json:
+            args.json.write_text(json.dumps(runs[0], indent=1, default=str))
+        runs[0]["tags"] = tags
+    for res in runs:
+        probes, took = len(res["answers"]), res["seconds"]
+        print(f"`{res['command']}`\n")
+        print(format_table(res))
+        print(f"\n{probes} probes, {len(res['methods'])} methods, {took / 60:.1f} min wall "
+              f"({probes / took:.3f} probes/s), {args.threads} torch threads\n")
+    figures: dict[str, str] = {}
+    if args.sweep_plot:
+        from leank_infer.hub.plots import plot_ratio_sweep
+        from leank_train.evaluation.report import format_sweep
+        from leank_train.evaluation.sweep import merged_sweep
+
+        sweep = merged_sweep(runs, list(loaded.items()), [[f"leank-{t}" for t in res["tags"]] for res in runs])
+        print(format_sweep(sweep))
+        plot_ratio_sweep(sweep, args.sweep_plot, cmd)
+        figures[args.sweep_plot.name] = cmd
+        print(f"figure: {args.sweep_plot}")
     if args.card:
-        for path, tag in zip(args.masks, tags, strict=True):
-            names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
-            write_model_card(path, card_results(renamed(res, names), cmd))
+        for i, path in enumerate(args.masks):
+            rows = []
+            for res in runs:
+                tag = res["tags"][i]
+                names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
+                rows += card_results(renamed(res, names), res["command"])
+            write_model_card(path, rows, figures=figures or None,
+                             figure_files=[args.sweep_plot] if args.sweep_plot else ())
             print(f"card: {path}")
 
 

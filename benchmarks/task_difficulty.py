@@ -9,7 +9,6 @@ report seed (1234). A variant is ``task:param=value`` and answers under the name
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -17,29 +16,10 @@ from pathlib import Path
 import torch
 
 from leank_infer import LeanKModel
-from leank_train.evaluation import tasks as suite
+from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full
-
-
-def variant(spec: str) -> str:
-    """Register task ``spec`` (``name`` or ``name:param=value,...``) in the suite; return its name there."""
-    name, _, params = spec.partition(":")
-    if name not in suite.TASKS:
-        raise SystemExit(f"unknown task {name!r}; choose from {', '.join(suite.TASKS)}")
-    if not params:
-        return name
-    task = copy.copy(suite.TASKS[name])
-    for item in params.split(","):
-        key, _, value = item.partition("=")
-        if not hasattr(task, key):
-            raise SystemExit(f"task {name!r} has no parameter {key!r}")
-        setattr(task, key, type(getattr(task, key))(value))
-    if hasattr(task, "top"):  # common words: the generation budget follows the word count
-        task.max_new_tokens = 6 * task.top + 8
-    task.name = f"{name}[{params}]"
-    suite.TASKS[task.name] = task
-    return task.name
+from leank_train.evaluation.tasks import task_variant
 
 
 def main() -> None:
@@ -53,7 +33,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    names = [variant(v) for v in args.variants]
+    try:
+        names = [task_variant(v) for v in args.variants]
+    except RecipeError as e:
+        raise SystemExit(str(e)) from None
     lm = LeanKModel.from_pretrained(args.mask)
     start = time.perf_counter()
     res = evaluate(lm, args.lengths, args.samples, methods=[Full()], seed=args.seed, kl=False, tasks=names)

@@ -40,6 +40,22 @@ def test_card_metadata_and_body(tmp_path):
     assert (tmp_path / "pattern.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_card_puts_each_runs_rows_under_the_command_that_measured_them(tmp_path):
+    """Rows of two runs (one per context length, issue #34): each table sits under its own command, and a row is
+    shown under its run's command only."""
+    from leank_infer.hub.card import write_model_card
+
+    _mask_dir(tmp_path)
+    results = [{"dataset": "niah 1024 tokens", "value": 0.91, "command": "eval --lengths 1024"},
+               {"dataset": "niah 4096 tokens", "value": 0.42, "command": "eval --lengths 4096"},
+               {"dataset": "niah 1024 tokens, again", "value": 0.93, "command": "eval --lengths 1024"}]
+    write_model_card(tmp_path, eval_results=results)
+    text = (tmp_path / "README.md").read_text()
+    body = text[text.index("## Results"):]
+    one, four = body.index("`eval --lengths 1024`"), body.index("`eval --lengths 4096`")
+    assert one < body.index("0.910") < body.index("0.930") < four < body.index("0.420")
+
+
 def test_card_without_results_or_known_license(tmp_path):
     from huggingface_hub import ModelCard
 

@@ -276,3 +276,20 @@ def test_no_file_cites_a_document_outside_the_repository():
             text = path.read_text(errors="replace")
             hits += [f"{name}: {n}" for n in names if n in text]
     assert not hits, hits
+
+
+def test_the_recipes_table_shows_each_recipes_prompt_lengths_and_measured_cpu_time(tmp_path):
+    """Issue #34: the recipes table says at which prompt lengths a recipe trains and, from its ``# CPU time:``
+    header comment (where the measurement sits with its command), what its run cost; a paragraph over two
+    comment lines is one cell, cut at its first sentence; a recipe without one gets an empty cell."""
+    h = hooks()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("# LeanK recipe: x\n# CPU time: stage 2 (40 steps), 15 s a step of one core\n"
+                      "# (1 thread), peak 3.4 GB. Command: docs/training.md.\n# Other text.\n\nratio: 0.7\n")
+    assert h.cpu_time(recipe) == "stage 2 (40 steps), 15 s a step of one core (1 thread), peak 3.4 GB"
+    recipe.write_text("# LeanK recipe: x\n\nratio: 0.7\n")
+    assert h.cpu_time(recipe) == ""
+    table = h.recipes_table(lambda name: name)
+    row = next(line for line in table.splitlines() if "`recipes/smollm2-135m-s3-8k.yaml`" in line)
+    assert "| 1,000-8,000 |" in row and "15 s of one core a step" in row
+    assert "| 500-2,000 |" in next(line for line in table.splitlines() if "`recipes/smollm2-135m.yaml`" in line)

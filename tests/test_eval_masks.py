@@ -43,7 +43,66 @@ def test_cards_from_the_saved_json_equal_the_runs_own(eval_masks, tmp_path, caps
         assert json.loads((d / EVAL_FILE).read_text()) == card
         assert run["command"] in (d / "README.md").read_text()
     assert json.loads(out.read_text()) == run  # --from-json reads, never rewrites
-    # masks other than the saved run's, or in another order, are refused, naming the run's
-    for masks in ([other_dir, mask_dir], [mask_dir]):
-        with pytest.raises(SystemExit, match="answered with the masks"):
-            eval_masks.main([*map(str, masks), "--from-json", str(out), "--card"])
+    # a mask the saved run did not answer with is refused, naming the run's
+    stranger = tmp_path / "stranger"
+    shutil.copytree(other_dir, stranger)
+    with pytest.raises(SystemExit, match="answered with the masks"):
+        eval_masks.main([str(mask_dir), str(stranger), "--from-json", str(out), "--card"])
+    # the run's masks in another order, or one of them, get their own rows (the run's names for them)
+    eval_masks.main([str(other_dir), "--from-json", str(out), "--card"])
+    assert json.loads((other_dir / EVAL_FILE).read_text()) == cards[other_dir]
+
+
+def test_cards_and_the_sweep_from_runs_at_two_lengths(eval_masks, tmp_path, capsys):
+    """Issue #34: one saved run per length, each with its own probes per task; the cards hold the rows of both,
+    each next to its own command, and the sweep figure scores each mask at both lengths, from its own answers."""
+    from leank_train.evaluation.report import renamed
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    first = ChannelMask.from_dir(mask_dir)
+    other_dir = tmp_path / "other"
+    shutil.copytree(mask_dir, other_dir)
+    scores = torch.rand(first.keep.shape, generator=torch.Generator().manual_seed(5))
+    ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4,
+                            base_model=first.base_model).save_pretrained(other_dir)
+    runs = {}
+    for length, samples in ((300, 3), (400, 2)):
+        runs[length] = tmp_path / f"run{length}.json"
+        eval_masks.main([str(mask_dir), str(other_dir), "--lengths", str(length), "--samples", str(samples),
+                         "--tasks", "passkey", "--threads", "1", "--seed", "0", "--no-baselines",
+                         "--json", str(runs[length])])
+    saved = {n: json.loads(f.read_text()) for n, f in runs.items()}
+    png = tmp_path / "sweep.png"
+    # the masks in the other order than the runs': each card still gets its own mask's rows
+    eval_masks.main([str(other_dir), str(mask_dir), "--from-json", *map(str, runs.values()), "--card",
+                     "--sweep-plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for folder, method in ((mask_dir, "leank-r50"), (other_dir, "leank-r75")):
+        record = json.loads((folder / EVAL_FILE).read_text())
+        for n, res in saved.items():
+            mine = [r for r in record["results"] if r["dataset_args"]["length"] == n]
+            assert {r["command"] for r in mine} == {res["command"]}
+            cell = renamed(res, {"full": "full", method: "leank"})["tasks"]["passkey"]["leank"][n]
+            got = next(r for r in mine if r["dataset_args"]["task"] == "passkey" and r["metric_config"] == "leank")
+            assert (got["metric_args"]["correct"], got["metric_args"]["n"]) == (cell["correct"], cell["n"])
+        assert "sweep.png" in record["figures"] and (folder / "sweep.png").is_file()
+        text = (folder / "README.md").read_text()
+        assert all(res["command"] in text for res in saved.values())
+
+
+def test_tasks_take_variants_the_run_names_them_by(eval_masks, tmp_path, monkeypatch):
+    """Issue #34: at 4k-8k the suite answers variants of its tasks (``passkey:haystacks=filler``), named in the
+    saved run and its cards as ``passkey[haystacks=filler]``; an unknown parameter stops the run."""
+    from leank_train.evaluation import tasks as suite
+
+    monkeypatch.setattr(suite, "TASKS", dict(suite.TASKS))  # the variant stays in this test
+    mask_dir, _ = tiny_repo(tmp_path)
+    out = tmp_path / "run.json"
+    eval_masks.main([str(mask_dir), "--lengths", "300", "--samples", "2", "--tasks", "passkey:haystacks=filler",
+                     "--threads", "1", "--seed", "0", "--no-baselines", "--json", str(out), "--card"])
+    run = json.loads(out.read_text())
+    assert list(run["tasks"]) == ["passkey[haystacks=filler]"]
+    assert {a["haystack"] for a in run["answers"]} == {"filler"}
+    assert "passkey[haystacks=filler]" in (mask_dir / "README.md").read_text()
+    with pytest.raises(SystemExit, match="no parameter 'depth'"):
+        eval_masks.main([str(mask_dir), "--lengths", "300", "--tasks", "passkey:depth=2", "--no-baselines"])

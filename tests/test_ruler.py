@@ -163,3 +163,25 @@ def test_a_length_too_short_or_an_unknown_task_is_named(tok):
         build_probes(tok, ["niah_multivalue"], [60], 1)
     with pytest.raises(RecipeError, match="unknown task.*nope"):
         build_probes(tok, ["nope"], [1024], 1)
+
+
+def test_a_task_variant_is_registered_under_its_own_name_and_checked(tok, monkeypatch):
+    """Issue #34: variants (other haystacks, fewer distractors) answer as tasks of their own; the task they copy
+    is unchanged; an unknown task, parameter or haystack is named before any probe is built."""
+    from leank_train.errors import RecipeError
+
+    monkeypatch.setattr(ruler, "TASKS", dict(TASKS))
+    assert ruler.task_variant("passkey") == "passkey"
+    name = ruler.task_variant("passkey:haystacks=filler")
+    assert name == "passkey[haystacks=filler]" and ruler.TASKS["passkey"].haystacks == ("filler", "words")
+    two = ruler.task_variant("niah_multikey:distractors=0,haystacks=filler+docs")
+    assert (ruler.TASKS[two].distractors, ruler.TASKS[two].haystacks) == (0, ("filler", "docs"))
+    assert ruler.TASKS["niah_multikey"].distractors == 1
+    probes = build_probes(tok, [name, two], [1024], 4, seed=7)
+    assert [p.haystack for p in probes] == ["filler"] * 4 + ["filler", "docs"] * 2
+    assert {p.kind for p in probes} == {name, two}
+    assert all(len(re.findall(r"The locker combination of the", p.messages[0]["content"])) == 1 for p in probes[4:])
+    for spec, message in [("nope:x=1", "unknown task 'nope'"), ("passkey:depth=3", "no parameter 'depth'"),
+                          ("passkey:haystacks=filler+moon", "unknown haystack 'moon'")]:
+        with pytest.raises((RecipeError, ValueError), match=message):
+            ruler.task_variant(spec)

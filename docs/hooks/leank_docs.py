@@ -141,14 +141,28 @@ def masks_table(link: Callable[[str], str]) -> str:
     return "\n".join(out)
 
 
+def cpu_time(recipe: Path) -> str:
+    """The first sentence of a recipe's ``# CPU time:`` header comment (what its run cost, measured), or ""."""
+    lines = [line.removeprefix("#").strip() for line in recipe.read_text().splitlines() if line.startswith("#")]
+    start = next((i for i, line in enumerate(lines) if line.startswith("CPU time:")), None)
+    if start is None:
+        return ""
+    text = lines[start].removeprefix("CPU time:").strip()
+    for line in lines[start + 1:]:
+        if text.endswith(".") or not line:
+            break
+        text += " " + line
+    return text.split(". ")[0].rstrip(".").replace("|", "/")
+
+
 def recipes_table(link: Callable[[str], str]) -> str:
     """Which recipe gives which mask, what the mask costs and how it scores (from the committed folders)."""
     from leank_train.pipeline import load_recipe
 
     lines = [
-        "| recipe | base model | stage 2 starts from | ratio | stage 2 | mask | KV bytes per pruned token (bf16) | "
-        "headline accuracy, LeanK vs full = share |",
-        "|---|---|---|---:|---|---|---:|---|",
+        "| recipe | base model | stage 2 starts from | ratio | stage 2 | prompt tokens | mask | KV bytes per pruned token (bf16) | "
+        "headline accuracy, LeanK vs full = share | CPU time (the recipe's `# CPU time:`) |",
+        "|---|---|---|---:|---|---|---|---:|---|---|",
     ]
     for path in sorted(RECIPES.glob("*.yaml")):
         r = load_recipe(path)
@@ -169,8 +183,9 @@ def recipes_table(link: Callable[[str], str]) -> str:
             score = _share(f["headline"])
         else:
             mask, cost, score = "none committed", "", ""
-        lines.append(f"| `recipes/{path.name}` | {r.base_model} | {start} | {r.ratio:g} | {stage2} | {mask} | "
-                     f"{cost} | {score} |")
+        lines.append(f"| `recipes/{path.name}` | {r.base_model} | {start} | {r.ratio:g} | {stage2} | "
+                     f"{r.min_length:,}-{r.max_length:,} | {mask} | "
+                     f"{cost} | {score} | {cpu_time(path)} |")
     return "\n".join(lines)
 
 

@@ -247,8 +247,11 @@ def build_card(
             )
             for r in eval_results
         ]
-        cmd = eval_results[0].get("command", "leank eval " + repo)
-        results_md = f"## Results\n\n`{cmd}`\n\n{results_table(eval_results)}\n\n"
+        # rows of several runs (e.g. one per context length): each run's table under the command that measured it
+        commands = list(dict.fromkeys(r.get("command", "leank eval " + repo) for r in eval_results))
+        results_md = "## Results\n\n" + "".join(
+            f"`{cmd}`\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
+            for cmd in commands)
     data = ModelCardData(
         base_model=mask.base_model,
         library_name="leank",

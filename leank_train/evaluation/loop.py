@@ -26,6 +26,7 @@ from .needles import KINDS, make_probe
 from .prefill import decode_each, prefill
 from .report import renamed
 from .stats import summarize
+from .sweep import sweep_rows
 from .tasks import Probe, build_probes, chat_ids, correct, haystack_sentences
 
 #: prompt tokens per batch (all rows together): 16 probes of 1k tokens, 2 of 8k
@@ -187,21 +188,6 @@ def ratio_sweep(lm: Any, masks: Sequence[tuple[str, ChannelMask]], lengths: Sequ
     sentences = sentences or haystack_sentences()
     learned = [Learned(f"leank-{i}", mask) for i, (_, mask) in enumerate(masks)]
     res = evaluate(lm, lengths, samples, kinds, [Full(), *learned], seed, kl=False, sentences=sentences, tasks=tasks)
-    full_acc = res["accuracy"]["full"]
-    rows = []
-    for (name, mask), m in zip(masks, learned, strict=True):
-        # this mask's answers as a one-mask run names them ("leank"), paired with the full model's
-        one = renamed(res, {"full": "full", m.name: "leank"})
-        s = mask.stats(dtype=torch.bfloat16)
-        row = {"mask": name, "ratio": mask.ratio, "k_kept": s["k_kept_fraction"], "v_kept": s["v_kept_fraction"],
-               "zero_heads": s["zero_heads"], "bytes_per_token": s["bytes_per_token"],
-               "accuracy": res["accuracy"][m.name], "answers": one["answers"]}
-        if tasks is not None:
-            row.update({k: v for k, v in one.items() if k not in ("methods", "lengths", "answers")})
-            heads = one["headline"]
-            row["accuracy"] = {n: heads[n]["leank"]["score"] if "leank" in heads[n] else float("nan")
-                               for n in lengths}
-            full_acc = {n: heads[n]["full"]["score"] if "full" in heads[n] else float("nan") for n in lengths}
-        rows.append(row)
+    full_acc, rows = sweep_rows(res, masks, [m.name for m in learned], tasks)
     return {"full": full_acc, "masks": rows, "lengths": list(lengths), "samples_per_length": samples,
             **({"tasks": list(tasks), "full_answers": renamed(res, {"full": "full"})["answers"]} if tasks is not None else {})}
