@@ -15,7 +15,6 @@ from .conftest import ENGINE, KV_SPACE_GIB, MASK, plain_kv_tokens, reference_tok
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
-LONG_TOKENS = 64  # the preemption test's: requests that grow by 4 blocks each while they decode
 LENGTHS = (330, 760, 1250)  # sink 16 + recent 64 + accumu 16: every prompt has a long pruned middle
 
 
@@ -122,11 +121,10 @@ def test_a_prefix_cache_hit_equals_a_miss(leank_llm, shared):
 
 @pytest.fixture(scope="module")
 def unchunked(leank_llm, shared, prompts) -> list[list[int]]:
-    """The default engine's tokens (``LONG_TOKENS`` of them): vLLM's default budget (8,192 tokens a step)
-    prefills these whole."""
+    """The default engine's tokens: vLLM's default budget (8,192 tokens a step) prefills these whole."""
     assert leank_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens >= 2 * 1600
     leank_llm.reset_prefix_cache()
-    return generate(leank_llm, shared + prompts, LONG_TOKENS)
+    return generate(leank_llm, shared + prompts)
 
 
 @pytest.mark.parametrize("budget", [256, 1024])
@@ -136,25 +134,36 @@ def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget):
 
     llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, max_num_batched_tokens=budget, **ENGINE)
     try:
-        assert generate(llm, shared + prompts) == [u[:NEW_TOKENS] for u in unchunked]
+        assert generate(llm, shared + prompts) == unchunked
     finally:
         del llm
         gc.collect()
 
 
 def test_preemption_and_resumption_are_exact(model_dir, prompts, unchunked, shared):
-    """A pool too small for every request at once (its minimum: one request of max_model_len): vLLM preempts
-    requests as the others grow and recomputes them later; the tokens do not change."""
-    from vllm import LLM
+    """vLLM preempts every running request twice while they decode (its own
+    ``reset_prefix_cache(reset_running_requests=True)``: blocks freed, requests back in the waiting queue,
+    recomputed later from their prompt and the tokens so far); the tokens do not change."""
+    from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(
-        model=str(model_dir), additional_config={"leank_mask": MASK}, num_gpu_blocks_override=310,
-        disable_log_stats=False, **ENGINE,
-    )  # fmt: skip
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)
     try:
-        got = generate(llm, shared + prompts, LONG_TOKENS)
-        assert counter(llm, "vllm:num_preemptions") > 0, "the pool was large enough: nothing was preempted"
-        assert got == unchunked
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        requests = shared + prompts
+        for i, p in enumerate(requests):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        done: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+            if steps in (3, 7):  # every request prefilled, some tokens out, more to come
+                assert engine.reset_prefix_cache(reset_running_requests=True)
+        assert counter(llm, "vllm:num_preemptions") >= len(requests), "not every request was preempted"
+        assert [done[str(i)] for i in range(len(requests))] == unchunked
     finally:
         del llm
         gc.collect()
@@ -175,7 +184,7 @@ def test_fp8_kv_stores_bytes_holds_more_and_keeps_the_answers(model_dir, prompts
         stores = [m for m in ctx.values() if isinstance(m, Store)]
         assert stores and all(s.kv_cache.element_size() == 1 for s in stores)
         got = generate(llm, prompts)
-        want = [u[:NEW_TOKENS] for u in unchunked[-len(prompts) :]]
+        want = unchunked[-len(prompts) :]
         assert [g[0] for g in got] == [w[0] for w in want]  # the first answer token of every prompt
         same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
         assert same >= 0.75 * sum(len(w) for w in want), (got, want)
