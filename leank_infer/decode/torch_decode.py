@@ -12,6 +12,8 @@ Two paths compute the same thing:
   softmax over both, two products with V: about ten ops per layer, no reduction statistics to merge;
 - general (left padding, several queries, model masks, soft-cap, half precision, CUDA): explicit
   scores with the region masks, fp32 softmax statistics.
+
+A quantised middle (kv_quant, :mod:`leank_infer.decode.kv_quant`) is dequantised first, then either path runs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ def torch_decode_attention(
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """LeanK attention of ``query`` (``[B, Hq, Q, D]``, post-RoPE) over ``layout``; ``[B, Q, Hq, D]``."""
+    """LeanK attention of ``query`` (``[B, Hq, Q, D]``, post-RoPE) over ``layout``; ``[B, Q, Hq, D]``.
+
+    A quantised middle (``layout.quant``, kv_quant) is dequantised here, its int8/int4 codes times their
+    group's scale plus its minimum, in the dtype of the full part; the step then runs as over any middle."""
+    if layout.quant is not None:
+        layout = layout.dequantized()
     if fast_path_applies(query, layout, masks, softcap):
         return _fast(query, layout, scaling)
     return _general(query, layout, masks, scaling, softcap)

@@ -447,6 +447,8 @@ def unsupported(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, s
         return "V head_dim != K head_dim"
     if masks.tail_mid is not None:
         return "tail keys scored with the kept channels (the positional rule's tail, with left padding)"
+    if layout.quant is not None:
+        return "a quantised middle (kv_quant)"
     for m in (masks.head_full, masks.head_mid, masks.mid, masks.tail):
         if m is not None and (m.ndim != 3 or m.shape[1] != 1 or m.dtype != torch.bool):
             return "a mask that is not [B, 1, n] bool"

@@ -57,7 +57,7 @@ def answer_batch(lm: Any, methods: Sequence[Method], prompts: Sequence[list[int]
     out: dict[str, list[str]] = {}
     for m in methods:
         masks = [m.mask(lm, pre, row) for row in range(len(prompts))]
-        tokens = decode_each(lm, masks, pre, budget, rule=rule_of(m, lm))
+        tokens = decode_each(lm, masks, pre, budget, rule=rule_of(m, lm), kv_quant=m.kv_quant, hf_quant=m.hf_quant)
         out[m.name] = [lm.tokenizer.decode(t[:n], skip_special_tokens=True)
                        for t, n in zip(tokens, max_new_tokens, strict=True)]
     return out
