@@ -136,6 +136,11 @@ def method(name: str) -> Method:
     return METHODS[name]()
 
 
+def kv_quant_of(method: Method, lm: Any) -> Any:
+    """The kv_quant a method's masks decode with: its own, else the evaluated model's (``lm.kv_quant``), else None."""
+    return method.kv_quant or getattr(lm, "kv_quant", None)
+
+
 def rule_of(method: Method, lm: Any) -> str:
     """The rule ``method`` decodes by: its own, else the evaluated model's (``lm.rule``), else dense-prefill."""
     return method.rule or getattr(lm, "rule", DENSE_PREFILL)
