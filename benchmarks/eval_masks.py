@@ -117,7 +117,18 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} torch threads")
     if args.json and not args.from_json:
         args.json.write_text(json.dumps({"command": cmd, "seconds": took, **res}, indent=1, default=str))
-    if args.card:
+    quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants)
+    if args.plot:
+        from leank_infer.hub.plots import plot_pareto
+
+        plot_pareto(res, args.plot, cmd)
+        print(f"plot: {args.plot}")
+    if args.card and quantised:  # the cards keep their results; the run goes to their "KV quantisation" section
+        for path, tag in zip(args.masks, tags, strict=True):
+            write_model_card(path, None, figures={args.plot.name: cmd} if args.plot else None,
+                             figure_files=[args.plot] if args.plot else (), kv_quant=kv_quant_record(res, tag, cmd))
+            print(f"card: {path}")
+    elif args.card:
         for path, tag in zip(args.masks, tags, strict=True):
             names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
             write_model_card(path, card_results(renamed(res, names), cmd))
@@ -139,6 +150,26 @@ def method_bytes(m, lm, tokens: int) -> float:
     if mask is None:
         return dense_token_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, hd, torch.bfloat16)
     return prefilled_cache_bytes(mask, tokens, torch.bfloat16, kv_quant_format(m.kv_quant)) / tokens
+
+
+def kv_quant_record(res: dict, tag: str, cmd: str) -> dict:
+    """The card's "KV quantisation" record of mask ``tag`` (leank_infer.hub.card.kv_quant_section): its methods
+    and the mask-free ones (full model, QuantizedCache), each with its kv_quant, bytes and headline per length."""
+    rows = []
+    heads = res.get("headline", {})
+    for name in res["methods"]:
+        parts = name.split("-")
+        if parts[0] in ("leank", "random", "think") and (len(parts) < 2 or parts[1] != tag):
+            continue  # another mask's method
+        quant = parts[-1] if parts[-1] in ("int8", "int4") and parts[0] in ("leank", "random") else "none"
+        kind = {"leank": "LeanK", "random": "random channels", "think": "ThinK", "full": "full model"}.get(
+            parts[0], f"QuantizedCache ({parts[0]}, {parts[-1]}, every channel)")
+        if kind.startswith("QuantizedCache"):
+            quant = parts[-1]
+        rows.append({"method": kind, "name": name, "kv_quant": quant, "bytes_per_token": res["bytes_per_token"][name],
+                     "headline": {str(n): f"{h['score']:.3f} +/- {h['se']:.3f}"
+                                  for n in res["lengths"] if (h := heads.get(n, heads.get(str(n), {})).get(name))}})
+    return {"command": cmd, "lengths": [int(n) for n in res["lengths"]], "bytes_at": res["bytes_at"], "rows": rows}
 
 
 def format_bytes(res: dict) -> str:
