@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cache import ACCUMU, D, HKV, RECENT, SINK, _keep, _rel_err, _Run
+from test_cache import ACCUMU, HKV, RECENT, SINK, D, _keep, _rel_err, _Run
 
 from leank_infer.decode import kv_quant as kq
 from leank_infer.decode.cache import LeanKCache, LeanKLayer
@@ -275,3 +275,65 @@ def test_an_unused_slot_is_not_checked_but_the_decode_never_reads_it():
     st.v_scale[:, :, st.n :] = float("nan")
     after = torch_decode_attention(q, layer.layout(), DecodeMasks(), D**-0.5)
     assert torch.equal(before, after)
+
+
+# ---- the evaluation's methods ----------------------------------------------------------------------------
+def test_quantised_methods_decode_with_their_own_cache(tmp_path):
+    """LeanK + kv_quant, random channels + kv_quant and transformers' QuantizedCache (quanto) answer a shared-prefill
+    batch exactly as each one's own generate does, prompt by prompt; the answers tell them apart."""
+    pytest.importorskip("optimum.quanto")
+    from test_eval_scoring import _decode
+    from test_model import tiny_repo
+    from transformers import QuantizedCache
+
+    from leank_infer import LeanKModel
+    from leank_infer.model.generation import CACHE_KWARG
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Learned, QuantizedKV, RandomChannels, random_mask_like
+
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
+    mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (96, 71)]
+    methods = [Learned(), Learned("leank-int4", kv_quant="int4"), RandomChannels("random-int8", seed=7, kv_quant="int8"),
+               QuantizedKV("quanto-int2", "quanto", 2, group=16)]
+    got = answer_batch(lm, methods, prompts, [12, 12])
+    rnd = random_mask_like(lm.mask, seed=7)
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        gen = dict(max_new_tokens=12, do_sample=False)
+        own = {
+            "leank": _decode(lm, lm.mask, inputs, 12),
+            "leank-int4": LeanKModel(lm.model, lm.mask, lm.tokenizer, kv_quant="int4").generate(**inputs, **gen),
+            "random-int8": LeanKModel(lm.model, rnd, lm.tokenizer, kv_quant="int8").generate(**inputs, **gen),
+        }
+        with lm.dense():
+            cache = QuantizedCache("quanto", lm.model.config, nbits=2, q_group_size=16)
+            own["quanto-int2"] = lm.model.generate(**inputs, **gen, **{CACHE_KWARG: cache})
+        for name, out in own.items():
+            want = out if isinstance(out, str) else lm.tokenizer.decode(out[0, len(p):], skip_special_tokens=True)
+            assert got[name][i] == want, (name, i)
+    assert len({got[m.name][0] for m in methods}) >= 3, got  # quantised and not are told apart
+
+
+def test_quantized_cache_bytes_follow_the_formula():
+    """hf_quantized_cache_bytes counts what quanto stores: 4-bit codes two a byte, a scale and a shift (model dtype)
+    per 64 values, the prompt quantised whole at the first update."""
+    pytest.importorskip("optimum.quanto")
+    from transformers import LlamaConfig, QuantizedCache
+
+    from leank_infer.mask.kv_bytes import hf_quantized_cache_bytes
+
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=64)
+    for bits in (4, 2):
+        cache = QuantizedCache("quanto", cfg, nbits=bits)
+        for i in range(2):
+            cache.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), i)
+        held = 0
+        for layer in cache.layers:
+            for q in (layer._quantized_keys, layer._quantized_values):
+                held += q._data._data.numel() + (q._scale.numel() + q._shift.numel()) * 4
+        assert held == hf_quantized_cache_bytes(2, 2, 64, 200, bits, torch.float32)

@@ -44,7 +44,7 @@ class Method:
     window: int = 0
     rule: str | None = None
     kv_quant: str | None = None  # a LeanK method's quantised middle (None: the model's dtype)
-    hf_quant: tuple[str, int] | None = None  # (backend, bits) of transformers' QuantizedCache (QuantizedKV)
+    hf_quant: tuple[str, int, int] | None = None  # (backend, bits, group) of transformers' QuantizedCache
 
     def mask(self, lm: Any, prefill: Prefill, row: int) -> ChannelMask | None:
         """The mask row ``row`` of ``prefill`` decodes with (None: every channel, the model's own cache)."""
@@ -111,15 +111,16 @@ class ThinK(Method):
 @dataclass
 class QuantizedKV(Method):
     """KV quantisation alone: every channel, the cache transformers' ``QuantizedCache(backend, nbits=bits)``
-    with its defaults (64 values per group, the last 128 tokens in full precision)."""
+    with its defaults (64 values per group, ``group``; the last 128 tokens in full precision)."""
 
     name: str = "quanto-int4"
     backend: str = "quanto"
     bits: int = 4
+    group: int = 64  # values per scale (transformers' q_group_size): it must divide a layer's K/V size
 
     @property
-    def hf_quant(self) -> tuple[str, int]:  # type: ignore[override]
-        return (self.backend, self.bits)
+    def hf_quant(self) -> tuple[str, int, int]:  # type: ignore[override]
+        return (self.backend, self.bits, self.group)
 
     def mask(self, lm, prefill, row):
         return None

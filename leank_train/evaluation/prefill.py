@@ -120,9 +120,9 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, w
 
 
 def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str | None = None,
-                  hf_quant: tuple[str, int] | None = None) -> Any:
+                  hf_quant: tuple[str, int, int] | None = None) -> Any:
     """A cache holding the prefill's K/V as ``mask``'s own prefill would store them (None: a dense cache;
-    ``kv_quant``: a LeanK cache with a quantised middle; ``hf_quant`` (backend, bits): transformers'
+    ``kv_quant``: a LeanK cache with a quantised middle; ``hf_quant`` (backend, bits, group): transformers'
     ``QuantizedCache``, every channel)."""
     from transformers import DynamicCache, QuantizedCache
 
@@ -130,7 +130,7 @@ def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str
     if mask is not None:
         cache = LeanKCache(mask, config=config, kv_quant=kv_quant)
     elif hf_quant is not None:
-        cache = QuantizedCache(hf_quant[0], config, nbits=hf_quant[1])
+        cache = QuantizedCache(hf_quant[0], config, nbits=hf_quant[1], q_group_size=hf_quant[2])
     else:
         cache = DynamicCache(config=config)
     return fill_from_prefill(cache, pre.keys, pre.values, pre.positions)
@@ -147,7 +147,7 @@ def _eos_ids(lm: Any) -> set[int]:
 @torch.no_grad()
 def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
            rule: str = DENSE_PREFILL, kv_quant: str | None = None,
-           hf_quant: tuple[str, int] | None = None) -> list[list[int]]:
+           hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
     """Greedy answer tokens of each row with ``mask`` (None: the full model), up to ``max_new_tokens``,
     ending before the first end-of-sequence token: what ``generate`` returns after this prefill. With
     ``rule="positional"`` a mask's answers come from its own prefill (``generate`` from the prompt).
@@ -184,7 +184,7 @@ def _until_eos(tokens: torch.Tensor, eos: set[int]) -> list[list[int]]:
 
 def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_new_tokens: int,
                 key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DENSE_PREFILL,
-                kv_quant: str | None = None, hf_quant: tuple[str, int] | None = None) -> list[list[int]]:
+                kv_quant: str | None = None, hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
     """Row ``i`` decoded with ``masks[i]`` by ``rule`` (and ``kv_quant`` / ``hf_quant``, see :func:`decode`):
     rows that share a mask decode together, in one batch."""
     key = key or mask_key
