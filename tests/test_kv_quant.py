@@ -250,8 +250,9 @@ CORRUPTIONS = {
     "v-scale-negative": lambda st: st.v_scale[0, 1, 0].fill_(-1.0),
     "k-min-inf": lambda st: st.k_min[0].view(-1)[0].fill_(float("-inf")),
     "v-min-nan": lambda st: st.v_min[0, 0, 0].fill_(float("nan")),
-    "k-scale-shape": lambda st: st.k_scale.__setitem__(0, st.k_scale[0][:, :, :1]),
-    "v-scale-dtype": lambda st: setattr(st, "v_scale", st.v_scale.float()),
+    "k-params-shape": lambda st: setattr(st, "k_params", st.k_params[:, :, :-1]),
+    "v-params-dtype": lambda st: setattr(st, "v_params", st.v_params.float()),
+    "k-codes-missing": lambda st: st.k_codes.pop(),
     "k-codes-shape": lambda st: st.k_codes.__setitem__(1, st.k_codes[1][:, :, :1]),
 }
 
@@ -266,15 +267,20 @@ def test_a_corrupted_scale_is_caught_by_the_cache(corrupt):
         layer.layout()
 
 
-def test_an_unused_slot_is_not_checked_but_the_decode_never_reads_it():
-    """Spare capacity past the last token holds the allocation's values; corrupting it changes nothing."""
+def test_spare_capacity_is_never_read_and_its_parameters_are_checked_too():
+    """Codes past the last token change nothing (never read); a NaN scale there is caught like any other."""
     layer = _filled_layer()
     q = torch.randn(1, HKV * 2, 1, D)
     before = torch_decode_attention(q, layer.layout(), DecodeMasks(), D**-0.5)
     st = layer._quant
+    assert st.cap > st.n
+    st.v_codes[:, :, st.n :] = 255
+    for c in st.k_codes:
+        c[..., st.phase + st.n :] = 255
+    assert torch.equal(before, torch_decode_attention(q, layer.layout(), DecodeMasks(), D**-0.5))
     st.v_scale[:, :, st.n :] = float("nan")
-    after = torch_decode_attention(q, layer.layout(), DecodeMasks(), D**-0.5)
-    assert torch.equal(before, after)
+    with pytest.raises(CorruptQuantError, match="V scale"):
+        layer.layout()
 
 
 # ---- the evaluation's methods ----------------------------------------------------------------------------

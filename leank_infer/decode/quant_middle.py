@@ -50,8 +50,6 @@ class QuantMiddleStore:
         self.n = 0
         self.phase = 0
         self.k_codes: list[torch.Tensor] = []
-        self.k_scale: list[torch.Tensor] = []
-        self.k_min: list[torch.Tensor] = []
         self.open_k: list[torch.Tensor] = []  # per group [B, Hg, c, k_group]: the open group's kept K
         self._alloc(0)
 
@@ -60,42 +58,74 @@ class QuantMiddleStore:
     def cap(self) -> int:
         return self.v_codes.shape[2]
 
+    @property
+    def k_scale(self) -> list[torch.Tensor]:
+        """K scales per head group, ``[B, Hg, c, cap / k_group]`` views of :attr:`k_params`."""
+        return self._k_views(0)
+
+    @property
+    def k_min(self) -> list[torch.Tensor]:
+        return self._k_views(1)
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        """V scales ``[B, Hnz, cap, Dv / v_group]``, a view of :attr:`v_params`."""
+        return self.v_params.select(3, 0)
+
+    @property
+    def v_min(self) -> torch.Tensor:
+        return self.v_params.select(3, 1)
+
+    def _k_sizes(self, cap: int) -> list[tuple[int, int, int]]:
+        """(offset, heads, kept count) of each head group's K parameters in a row of :attr:`k_params`."""
+        out, off = [], 0
+        for h, c in zip(self.groups.heads, self.groups.counts, strict=True):
+            out.append((off, len(h), c))
+            off += len(h) * c * (cap // self.fmt.k_group)
+        return out
+
+    def _k_views(self, which: int) -> list[torch.Tensor]:
+        kg, b = self.cap // self.fmt.k_group, self.k_params.shape[0]
+        row = self.k_params.select(1, which)
+        return [row.narrow(1, off, hg * c * kg).view(b, hg, c, kg) for off, hg, c in self._k_sizes(self.cap)]
+
     def _alloc(self, cap: int) -> None:
-        b, g, fmt = self.batch, self.groups, self.fmt
+        """Storage for ``cap`` slots (the used ones copied). Every K scale and minimum of the layer is one buffer
+        ``k_params`` ``[B, 2, ...]``, every V one ``v_params`` ``[B, Hnz, cap, 2, Dv / v_group]``: one reduction
+        each checks them all (:meth:`check`). Unused parameters hold scale 1 and minimum 0, valid values."""
+        b, g, fmt, dev = self.batch, self.groups, self.fmt, self.device
         kg = cap // fmt.k_group
-        new = torch.zeros  # zeros: slots past the last token are read (masked) by vectorised kernel loads
-
-        def k(hg: int, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return (new(b, hg, fmt.packed(c), cap, dtype=torch.uint8, device=self.device),
-                    torch.ones(b, hg, c, kg, dtype=PARAM_DTYPE, device=self.device),
-                    new(b, hg, c, kg, dtype=PARAM_DTYPE, device=self.device))
-
-        old = (self.k_codes, self.k_scale, self.k_min) if hasattr(self, "v_codes") else None
-        parts = [k(len(h), c) for h, c in zip(g.heads, g.counts, strict=True)]
+        # zeros: slots past the last token are read (masked) by vectorised kernel loads
+        codes = [torch.zeros(b, len(h), fmt.packed(c), cap, dtype=torch.uint8, device=dev)
+                 for h, c in zip(g.heads, g.counts, strict=True)]
+        total = sum(len(h) * c * kg for h, c in zip(g.heads, g.counts, strict=True))
+        k_params = torch.zeros(b, 2, total, dtype=PARAM_DTYPE, device=dev)
+        k_params[:, 0] = 1
         hnz = len(g.nonzero_order)
-        v = (new(b, hnz, cap, fmt.packed(self.v_dim), dtype=torch.uint8, device=self.device),
-             torch.ones(b, hnz, cap, self.v_dim // self.v_group, dtype=PARAM_DTYPE, device=self.device),
-             new(b, hnz, cap, self.v_dim // self.v_group, dtype=PARAM_DTYPE, device=self.device))
-        if old is not None:
+        v_codes = torch.zeros(b, hnz, cap, fmt.packed(self.v_dim), dtype=torch.uint8, device=dev)
+        v_params = torch.zeros(b, hnz, cap, 2, self.v_dim // self.v_group, dtype=PARAM_DTYPE, device=dev)
+        v_params[:, :, :, 0] = 1
+        if hasattr(self, "v_codes"):
             used = self.phase + self.n if self.n else 0
             groups_used = -(-used // fmt.k_group)
-            for (codes, scale, mn), oc, os_, om in zip(parts, *old, strict=True):
-                codes[..., :used] = oc[..., :used]
-                scale[..., :groups_used] = os_[..., :groups_used]
-                mn[..., :groups_used] = om[..., :groups_used]
-            for t, o in zip(v, (self.v_codes, self.v_scale, self.v_min), strict=True):
-                t[:, :, : self.n] = o[:, :, : self.n]
-        self.k_codes = [p[0] for p in parts]
-        self.k_scale = [p[1] for p in parts]
-        self.k_min = [p[2] for p in parts]
-        self.v_codes, self.v_scale, self.v_min = v
+            old_k = (self.k_scale, self.k_min)
+            for codes_new, codes_old in zip(codes, self.k_codes, strict=True):
+                codes_new[..., :used] = codes_old[..., :used]
+            new_kg = cap // fmt.k_group
+            for which in (0, 1):
+                row = k_params.select(1, which)
+                for (off, hg, c), o in zip(self._k_sizes(cap), old_k[which], strict=True):
+                    row.narrow(1, off, hg * c * new_kg).view(b, hg, c, new_kg)[..., :groups_used] = o[..., :groups_used]
+            v_codes[:, :, : self.n] = self.v_codes[:, :, : self.n]
+            v_params[:, :, : self.n] = self.v_params[:, :, : self.n]
+        self.k_codes, self.k_params, self.v_codes, self.v_params = codes, k_params, v_codes, v_params
         if not self.open_k:
-            self.open_k = [torch.zeros(b, len(h), c, fmt.k_group, dtype=self.dtype, device=self.device)
+            self.open_k = [torch.zeros(b, len(h), c, fmt.k_group, dtype=self.dtype, device=dev)
                            for h, c in zip(g.heads, g.counts, strict=True)]
 
     def _reserve(self, tokens: int, chunk: int) -> None:
         """Room for ``tokens`` middle tokens (K slots from ``phase``); grows by at least ``chunk``."""
-        need = max(self.phase + tokens, tokens)
+        need = self.phase + tokens
         if need <= self.cap:
             return
         cap = self.cap
@@ -116,8 +146,8 @@ class QuantMiddleStore:
         codes = quantize(v, scale, mn, self.v_group, fmt.levels)
         end = self.n + m
         self.v_codes[:, :, self.n : end] = pack(codes, -1, fmt.per_byte)
-        self.v_scale[:, :, self.n : end] = scale
-        self.v_min[:, :, self.n : end] = mn
+        self.v_params[:, :, self.n : end, 0] = scale
+        self.v_params[:, :, self.n : end, 1] = mn
         # K: per kept channel, groups along the tokens; the open group is quantised again with the new tokens
         s0 = self.phase + self.n
         g0 = s0 // kgrp
@@ -125,6 +155,7 @@ class QuantMiddleStore:
         held = s0 - first  # tokens of that group already stored (kept in full precision in open_k)
         s1 = s0 + m
         g1 = -(-s1 // kgrp)
+        k_scale, k_min = self.k_scale, self.k_min
         for i, k in enumerate(kept_k):
             cm = k.transpose(2, 3).to(self.dtype)  # [B, Hg, c, m]
             if held:
@@ -135,8 +166,8 @@ class QuantMiddleStore:
             scale, mn = quant_params(padded, kgrp, fmt.levels)
             codes = quantize(padded, scale, mn, kgrp, fmt.levels)[..., :span]
             self.k_codes[i][..., first:s1] = pack(codes, -2, fmt.per_byte)
-            self.k_scale[i][..., g0:g1] = scale
-            self.k_min[i][..., g0:g1] = mn
+            k_scale[i][..., g0:g1] = scale
+            k_min[i][..., g0:g1] = mn
             tail = s1 % kgrp
             if tail:
                 self.open_k[i][..., :tail] = cm[..., span - tail :]
@@ -152,8 +183,8 @@ class QuantMiddleStore:
             fmt,
             self.phase,
             self.v_group,
-            tuple(s.narrow(3, 0, kg) for s in self.k_scale),
-            tuple(m.narrow(3, 0, kg) for m in self.k_min),
+            tuple(t.narrow(3, 0, kg) for t in self.k_scale),
+            tuple(t.narrow(3, 0, kg) for t in self.k_min),
             self.v_scale.narrow(2, 0, n),
             self.v_min.narrow(2, 0, n),
         )
@@ -169,46 +200,49 @@ class QuantMiddleStore:
         return -(-(self.phase + self.n) // self.fmt.k_group) if self.n else 0
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.k_codes, *self.k_scale, *self.k_min, *self.open_k, self.v_codes, self.v_scale, self.v_min]
+        return [*self.k_codes, self.k_params, *self.open_k, self.v_codes, self.v_params]
 
     def map_batch(self, fn: Any) -> None:
         """``fn`` (a map over the batch axis) applied to every tensor (beam reorder, repeat, select)."""
         self.k_codes = [fn(t) for t in self.k_codes]
-        self.k_scale = [fn(t) for t in self.k_scale]
-        self.k_min = [fn(t) for t in self.k_min]
         self.open_k = [fn(t) for t in self.open_k]
-        self.v_codes, self.v_scale, self.v_min = fn(self.v_codes), fn(self.v_scale), fn(self.v_min)
+        self.k_params, self.v_codes, self.v_params = fn(self.k_params), fn(self.v_codes), fn(self.v_params)
         self.batch = self.v_codes.shape[0]
 
     # ---- the cache's own checks ------------------------------------------------------------------
     def check(self) -> None:
         """Raise :class:`CorruptQuantError` unless every scale is finite and > 0, every minimum finite, and
-        every tensor has the shape and dtype this store gave it (what a decode must be able to trust)."""
+        every tensor has the shape and dtype this store gave it (what a decode must be able to trust).
+
+        The values cost one host sync and four reductions, whatever the number of head groups: the log of a
+        scale is finite only for a finite positive scale, so a sum of logs is finite only if all are (the
+        parameters not yet used hold scale 1 and minimum 0, and are checked too)."""
         b, cap, fmt = self.batch, self.cap, self.fmt
         kg = cap // fmt.k_group
-        used_k = self.k_groups()
-        expect: list[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype]] = []
-        for i, (h, c) in enumerate(zip(self.groups.heads, self.groups.counts, strict=True)):
-            hg = len(h)
-            expect += [(f"K codes of head group {i}", self.k_codes[i], (b, hg, fmt.packed(c), cap), torch.uint8),
-                       (f"K scales of head group {i}", self.k_scale[i], (b, hg, c, kg), PARAM_DTYPE),
-                       (f"K minima of head group {i}", self.k_min[i], (b, hg, c, kg), PARAM_DTYPE)]
+        total = sum(len(h) * c * kg for h, c in zip(self.groups.heads, self.groups.counts, strict=True))
         hnz, vg = len(self.groups.nonzero_order), self.v_dim // self.v_group
-        expect += [("V codes", self.v_codes, (b, hnz, cap, fmt.packed(self.v_dim)), torch.uint8),
-                   ("V scales", self.v_scale, (b, hnz, cap, vg), PARAM_DTYPE),
-                   ("V minima", self.v_min, (b, hnz, cap, vg), PARAM_DTYPE)]
+        expect: list[tuple[str, Any, tuple[int, ...], torch.dtype]] = [
+            ("K parameters", self.k_params, (b, 2, total), PARAM_DTYPE),
+            ("V codes", self.v_codes, (b, hnz, cap, fmt.packed(self.v_dim)), torch.uint8),
+            ("V parameters", self.v_params, (b, hnz, cap, 2, vg), PARAM_DTYPE),
+        ]
+        for i, (h, c) in enumerate(zip(self.groups.heads, self.groups.counts, strict=True)):
+            codes = self.k_codes[i] if i < len(self.k_codes) else None
+            expect.append((f"K codes of head group {i}", codes, (b, len(h), fmt.packed(c), cap), torch.uint8))
+        if len(self.k_codes) != len(self.groups.counts):
+            raise CorruptQuantError(f"kv_quant cache: {len(self.k_codes)} K code tensors for "
+                                    f"{len(self.groups.counts)} head groups")
         for name, t, shape, dtype in expect:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
                 got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise CorruptQuantError(f"kv_quant cache: {name} should be {shape} {dtype}, found {got}")
-        # one host sync for all the values: every used scale finite and > 0, every used minimum finite
-        scales = [t.narrow(3, 0, used_k) for t in self.k_scale] + [self.v_scale.narrow(2, 0, self.n)]
-        minima = [t.narrow(3, 0, used_k) for t in self.k_min] + [self.v_min.narrow(2, 0, self.n)]
-        flags = [(torch.isfinite(s) & (s > 0)).all() for s in scales] + [torch.isfinite(m).all() for m in minima]
-        ok = torch.stack(flags).tolist() if flags else []
-        bad = [i for i, x in enumerate(ok) if not x]
-        if bad:
-            what = "scale is NaN, inf, zero or negative" if bad[0] < len(scales) else "minimum is NaN or inf"
-            part = bad[0] % len(scales)
-            name = "V" if part == len(scales) - 1 else f"K (head group {part})"
-            raise CorruptQuantError(f"kv_quant cache: a {name} {what}; the cache will not decode it")
+        f32 = torch.float32
+        sums = torch.stack([
+            self.k_params.select(1, 0).log().sum(dtype=f32), self.k_params.select(1, 1).sum(dtype=f32),
+            self.v_params.select(3, 0).log().sum(dtype=f32), self.v_params.select(3, 1).sum(dtype=f32),
+        ])
+        ok = torch.isfinite(sums).tolist()
+        if not all(ok):
+            what = ["a K scale is NaN, inf, zero or negative", "a K minimum is NaN or inf",
+                    "a V scale is NaN, inf, zero or negative", "a V minimum is NaN or inf"][ok.index(False)]
+            raise CorruptQuantError(f"kv_quant cache: {what}; the cache will not decode it")

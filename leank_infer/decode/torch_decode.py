@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import unpack
 from .layout import DecodeLayout, DecodeMasks
 from .rule import apply_softcap, gqa_view
 
@@ -39,6 +40,8 @@ def torch_decode_attention(
     A quantised middle (``layout.quant``, kv_quant) is dequantised here, its int8/int4 codes times their
     group's scale plus its minimum, in the dtype of the full part; the step then runs as over any middle."""
     if layout.quant is not None:
+        if fast_path_applies(query, layout, masks, softcap) and layout.quant.v_group == layout.full_v.shape[-1]:
+            return _fast_quantised(query, layout, scaling)
         layout = layout.dequantized()
     if fast_path_applies(query, layout, masks, softcap):
         return _fast(query, layout, scaling)
@@ -97,6 +100,58 @@ def _fast(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Te
         else:
             p4 = p.view(b, hkv, g, full + n)[:, first:end, :, full:]
             out.view(b, hkv, g, dv)[:, first:end] += torch.matmul(p4, mid_v[:, v_off : v_off + h])
+    return out.view(b, 1, hq, dv)
+
+
+def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Tensor:
+    """:func:`_fast` over a quantised middle (V: one scale per token and head), each code converted once.
+
+    K scores of a group of tokens: ``q . (code * scale + min) = (q * scale) . code + q . min``: the codes times
+    their channel's scale is the only pass over them (uint8 times fp32 gives fp32), the minima's part is one
+    small product per group. V: ``sum_j p_j (code_j * s_j + m_j) = (p * s) @ codes + p @ m``: the conversion of
+    the codes is the only pass. Same values as dequantising first (up to fp32 rounding order)."""
+    b, hq, _, d = query.shape
+    groups, quant = layout.groups, layout.quant
+    hkv = groups.num_kv_heads
+    g = hq // hkv
+    full = layout.full_k.shape[2]
+    kt = layout.full_k.reshape(b * hkv, full, d).transpose(1, 2)
+    s_full = torch.baddbmm(_ZERO, query.reshape(b * hkv, g, d), kt, beta=0, alpha=scaling)
+    n = layout.mid_len
+    dv = layout.full_v.shape[-1]
+    full_v = layout.full_v.reshape(b * hkv, full, dv)
+    if n == 0 or not groups.counts:
+        return torch.bmm(s_full.softmax(-1), full_v).view(b, 1, hq, dv)
+    q_sel = query.reshape(b, hq * d).index_select(1, groups.query_index(g, d))
+    kg, phase, per_byte = quant.fmt.k_group, quant.phase, quant.fmt.per_byte
+    blocks = []
+    for gi, hg, c, off in groups.score_plan(g):
+        if gi < 0:
+            blocks.append(_NEG_INF_T.expand(b, hg, g, n))
+            continue
+        qg = q_sel[:, off : off + hg * g * c].reshape(b * hg, g, c)
+        scale, mn = quant.k_scale[gi], quant.k_min[gi]  # [B, Hg, c, groups]
+        ng = scale.shape[3]
+        cm = layout.mid_k[gi].transpose(2, 3)  # [B, Hg, cp, n] codes, unit stride along the tokens
+        cm = cm.as_strided((*cm.shape[:3], ng * kg), cm.stride(), cm.storage_offset() - phase * cm.stride(3))
+        codes = unpack(cm, 2, per_byte, c).unflatten(3, (ng, kg))  # from the first group's first slot
+        k = (codes * scale.float().unsqueeze(-1)).view(b * hg, c, ng * kg)
+        sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling).view(b * hg, g, ng, kg)
+        sc += torch.bmm(qg, mn.float().reshape(b * hg, c, ng)).mul_(scaling).unsqueeze(-1)
+        blocks.append(sc.view(b, hg, g, ng * kg)[..., phase : phase + n])
+    s_mid = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)  # [B, Hkv, G, n]
+    p = torch.cat([s_full.view(b, hkv, g, full), s_mid], -1).softmax(-1).view(b, hkv, g, full + n)
+    out = torch.bmm(p.view(b * hkv, g, full + n)[:, :, :full], full_v).view(b, hkv, g, dv)
+    codes_v = unpack(layout.mid_v, 3, per_byte, dv).to(torch.float32)  # [B, Hnz, n, Dv]
+    v_scale = quant.v_scale.float().squeeze(-1).unsqueeze(2)  # [B, Hnz, 1, n]
+    v_min = quant.v_min.float()  # [B, Hnz, n, 1]
+    for first, end, v_off in groups.runs():
+        if v_off is None:
+            continue
+        h = end - first
+        pm = p[:, first:end, :, full:]  # [B, h, G, n]
+        part = slice(v_off, v_off + h)
+        out[:, first:end] += torch.matmul(pm * v_scale[:, part], codes_v[:, part]) + torch.matmul(pm, v_min[:, part])
     return out.view(b, 1, hq, dv)
 
 
