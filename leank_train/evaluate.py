@@ -139,7 +139,11 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
             plot_accuracy(res, draw_to, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[draw_to] if args.plot else ())
+            rows = card_results(res, cmd)
+            for r in rows:  # the card says which quantisation the mask (and its baselines) decoded with
+                if (r.get("metric_args") or {}).get("method", "full") != "full":
+                    r["metric_args"]["kv_quant"] = args.kv_quant or "none"
+            write_model_card(args.mask[0], rows, figures=figures, figure_files=[draw_to] if args.plot else ())
     if args.card and len(args.mask) > 1:
         from leank_infer.hub.card import EVAL_FILE
 

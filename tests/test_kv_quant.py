@@ -343,3 +343,35 @@ def test_quantized_cache_bytes_follow_the_formula():
             for q in (layer._quantized_keys, layer._quantized_values):
                 held += q._data._data.numel() + (q._scale.numel() + q._shift.numel()) * 4
         assert held == hf_quantized_cache_bytes(2, 2, 64, 200, bits, torch.float32)
+
+
+# ---- cards and figure -----------------------------------------------------------------------------------
+def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
+    """The Results section says the LeanK rows' kv_quant; the KV quantisation section lists each method with its
+    kv_quant, bytes and headline, under the command that measured them; earlier results are kept; the Pareto
+    figure is drawn from the same numbers."""
+    from test_card import _mask_dir
+
+    from leank_infer.hub.card import write_model_card
+    from leank_infer.hub.plots import plot_pareto
+
+    _mask_dir(tmp_path)
+    rows = [{"dataset": "needle-2k", "value": 0.75, "command": "leank eval x", "metric": "accuracy (leank)",
+             "metric_args": {"method": "leank", "kv_quant": "int8"}}]
+    write_model_card(tmp_path, eval_results=rows)
+    assert "kv_quant of the LeanK rows: int8." in (tmp_path / "README.md").read_text()
+    res = {"methods": ["full", "leank-r70", "leank-r70-int4", "quanto-int4"], "lengths": [1024], "bytes_at": 8192,
+           "bytes_per_token": {"full": 23040, "leank-r70": 8844, "leank-r70-int4": 2756, "quanto-int4": 6480},
+           "headline": {1024: {m: {"score": s, "se": 0.02} for m, s in
+                               zip(["full", "leank-r70", "leank-r70-int4", "quanto-int4"], [0.93, 0.92, 0.9, 0.85],
+                                   strict=True)}}}
+    png = plot_pareto(res, tmp_path.parent / f"{tmp_path.name}-fig" / "pareto.png", "python benchmarks/eval_masks.py x")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    record = {"command": "python benchmarks/eval_masks.py x --kv-quants int4", "lengths": [1024], "bytes_at": 8192,
+              "rows": [{"method": "LeanK", "name": "leank-r70-int4", "kv_quant": "int4", "bytes_per_token": 2756.0,
+                        "headline": {"1024": "0.900 +/- 0.020"}}]}
+    write_model_card(tmp_path, None, figures={"pareto.png": record["command"]}, figure_files=[png], kv_quant=record)
+    text = (tmp_path / "README.md").read_text()
+    assert "## KV quantisation" in text and "| LeanK | int4 | 2,756 | 0.900 +/- 0.020 |" in text
+    assert "kv_quant of the LeanK rows: int8." in text  # the earlier results stay
+    assert (tmp_path / "pareto.png").is_file() and "python benchmarks/eval_masks.py x --kv-quants int4" in text
