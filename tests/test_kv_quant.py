@@ -156,6 +156,8 @@ def test_decode_with_kv_quant_equals_the_rule_over_the_dequantised_kv(fmt, rule,
         assert run.layer._quant is not None
         mids.add(run.layer.mid_len)
         opened |= run.layer._quant.open_tokens() > 0
+        if rule == "dense-prefill" and ACCUMU % FORMATS[fmt].k_group == 0:  # writes after the first: whole groups
+            assert run.layer._quant.open_tokens() == 0, "the first write should end on a K group boundary"
         _check_store(run)
         full_k, full_v = run.k, run.v
         run.k, run.v = _with_dequantised_middle(run)
