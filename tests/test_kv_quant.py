@@ -377,3 +377,21 @@ def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
     assert "## KV quantisation" in text and "| LeanK | int4 | 2,756 | 0.900 +/- 0.020 |" in text
     assert "kv_quant of the LeanK rows: int8." in text  # the earlier results stay
     assert (tmp_path / "pareto.png").is_file() and "python benchmarks/eval_masks.py x --kv-quants int4" in text
+
+
+def test_command_lines_take_kv_quant():
+    """--kv-quant int8/int4 on leank bench, eval and generate; anything else is one clear usage error."""
+    from leank_infer.bench import bench
+    from leank_infer.cli import parse
+    from leank_infer.cli_types import UsageError
+    from leank_infer.generate_cli import generate
+    from leank_train.evaluate import eval_command
+
+    for func, argv in ((bench, []), (generate, ["m", "--prompt", "x"]), (eval_command, ["m"])):
+        assert parse(func, [*argv, "--kv-quant", "int4"], "leank x")["kv_quant"] == "int4"
+        assert parse(func, argv, "leank x")["kv_quant"] is None
+        with pytest.raises(UsageError, match="kv_quant"):
+            parse(func, [*argv, "--kv-quant", "int3"], "leank x")
+    with pytest.raises(ValueError, match="kv_quant must be one of"):
+        LeanKCache(ChannelMask(keep=_keep()[None], sink_size=SINK, recent_size=RECENT, accumu_size=ACCUMU, align=4),
+                   kv_quant="fp8")
