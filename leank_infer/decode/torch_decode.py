@@ -13,14 +13,14 @@ Two paths compute the same thing:
 - general (left padding, several queries, model masks, soft-cap, half precision, CUDA): explicit
   scores with the region masks, fp32 softmax statistics.
 
-A quantised middle (kv_quant, :mod:`leank_infer.decode.kv_quant`) is dequantised first, then either path runs.
+A quantised middle (kv_quant, :mod:`leank_infer.decode.kv_quant`) is read by the fast path's own variant
+(:func:`_fast_quantised`: int4 nibbles as two half-width products, never unpacked), or dequantised first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kv_quant import unpack
 from .layout import DecodeLayout, DecodeMasks
 from .rule import apply_softcap, gqa_view
 
@@ -40,7 +40,9 @@ def torch_decode_attention(
     A quantised middle (``layout.quant``, kv_quant) is dequantised here, its int8/int4 codes times their
     group's scale plus its minimum, in the dtype of the full part; the step then runs as over any middle."""
     if layout.quant is not None:
-        if fast_path_applies(query, layout, masks, softcap) and layout.quant.v_group == layout.full_v.shape[-1]:
+        dv = layout.full_v.shape[-1]
+        if fast_path_applies(query, layout, masks, softcap) and layout.quant.v_group == dv \
+                and (layout.quant.fmt.per_byte == 1 or dv % 2 == 0):
             return _fast_quantised(query, layout, scaling)
         layout = layout.dequantized()
     if fast_path_applies(query, layout, masks, softcap):
@@ -134,15 +136,27 @@ def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -
         ng = scale.shape[3]
         cm = layout.mid_k[gi].transpose(2, 3)  # [B, Hg, cp, n] codes, unit stride along the tokens
         cm = cm.as_strided((*cm.shape[:3], ng * kg), cm.stride(), cm.storage_offset() - phase * cm.stride(3))
-        codes = unpack(cm, 2, per_byte, c).unflatten(3, (ng, kg))  # from the first group's first slot
-        k = (codes * scale.float().unsqueeze(-1)).view(b * hg, c, ng * kg)
-        sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling).view(b * hg, g, ng, kg)
+        w = ng * kg  # from the first group's first slot
+        if per_byte == 1:
+            k = (cm.unflatten(3, (ng, kg)) * scale.float().unsqueeze(-1)).view(b * hg, c, w)
+            sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling)
+        else:  # int4: even channels in the low nibbles, odd ones in the high: two products, never interleaved
+            sf = scale.float().unsqueeze(-1)
+            lo, hi = cm & 15, (cm >> 4)[:, :, : c // 2]
+            k_lo = (lo.unflatten(3, (ng, kg)) * sf[:, :, 0::2]).view(b * hg, -1, w)
+            k_hi = (hi.unflatten(3, (ng, kg)) * sf[:, :, 1::2]).view(b * hg, -1, w)
+            sc = torch.baddbmm(_ZERO, qg[..., 0::2], k_lo, beta=0, alpha=scaling)
+            sc = torch.baddbmm(sc, qg[..., 1::2], k_hi, alpha=scaling)
+        sc = sc.view(b * hg, g, ng, kg)
         sc += torch.bmm(qg, mn.float().reshape(b * hg, c, ng)).mul_(scaling).unsqueeze(-1)
         blocks.append(sc.view(b, hg, g, ng * kg)[..., phase : phase + n])
     s_mid = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)  # [B, Hkv, G, n]
     p = torch.cat([s_full.view(b, hkv, g, full), s_mid], -1).softmax(-1).view(b, hkv, g, full + n)
     out = torch.bmm(p.view(b * hkv, g, full + n)[:, :, :full], full_v).view(b, hkv, g, dv)
-    codes_v = unpack(layout.mid_v, 3, per_byte, dv).to(torch.float32)  # [B, Hnz, n, Dv]
+    if per_byte == 1:
+        codes_v: tuple[torch.Tensor, ...] = (layout.mid_v.to(torch.float32),)  # [B, Hnz, n, Dv]
+    else:  # int4: even channels (low nibbles) and odd ones apart, the small outputs interleaved after
+        codes_v = ((layout.mid_v & 15).to(torch.float32), (layout.mid_v >> 4)[..., : dv // 2].to(torch.float32))
     v_scale = quant.v_scale.float().squeeze(-1).unsqueeze(2)  # [B, Hnz, 1, n]
     v_min = quant.v_min.float()  # [B, Hnz, n, 1]
     for first, end, v_off in groups.runs():
@@ -151,7 +165,10 @@ def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -
         h = end - first
         pm = p[:, first:end, :, full:]  # [B, h, G, n]
         part = slice(v_off, v_off + h)
-        out[:, first:end] += torch.matmul(pm * v_scale[:, part], codes_v[:, part]) + torch.matmul(pm, v_min[:, part])
+        ps = pm * v_scale[:, part]
+        parts = [torch.matmul(ps, cv[:, part]) for cv in codes_v]
+        pv = parts[0] if per_byte == 1 else torch.stack(parts, -1).flatten(-2)
+        out[:, first:end] += pv + torch.matmul(pm, v_min[:, part])
     return out.view(b, 1, hq, dv)
 
 
