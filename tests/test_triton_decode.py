@@ -243,14 +243,14 @@ def test_quantised_middle_in_the_kernel(dtype, fmt, padded):
     if fmt == "int4-k8":
         assert st.open_tokens() > 0
     q = torch.randn(b, hkv * g, 1, d, generator=gen).to(dtype)
-    layout = layer.layout()  # checked here; then the spare slots are poisoned: the kernel must not read them
+    layout = layer.layout()  # checked here (spare parameters too); then the spare slots are poisoned: the kernel
+    masks = layer.decode_masks(None, 1)  # must not read them (the masks first: building them checks the cache)
     st.v_params[:, :, st.n :] = float("nan")
     for kp in (*st.k_scale, *st.k_min):
         kp[..., st.k_groups() :] = float("nan")
     st.v_codes[:, :, st.n :] = 255
     for c in st.k_codes:
         c[..., st.phase + st.n :] = 255
-    masks = layer.decode_masks(None, 1)
     run_and_check((q, layout, masks, d**-0.5), block_n=16, splits=2)  # reference: torch over layout.float()
     assert td.unsupported(q, layout, masks) is None  # the dispatcher sends a quantised middle to the kernel
 
