@@ -169,7 +169,9 @@ def kv_quant_record(res: dict, tag: str, cmd: str) -> dict:
         rows.append({"method": kind, "name": name, "kv_quant": quant, "bytes_per_token": res["bytes_per_token"][name],
                      "headline": {str(n): f"{h['score']:.3f} +/- {h['se']:.3f}"
                                   for n in res["lengths"] if (h := heads.get(n, heads.get(str(n), {})).get(name))}})
-    return {"command": cmd, "lengths": [int(n) for n in res["lengths"]], "bytes_at": res["bytes_at"], "rows": rows}
+    return {"command": cmd, "lengths": [int(n) for n in res["lengths"]], "bytes_at": res["bytes_at"], "rows": rows,
+            "samples_per_task": res.get("samples_per_task"),
+            "headline_tasks": {str(n): h["tasks"] for n in res["lengths"] if (h := heads.get(n, heads.get(str(n))))}}
 
 
 def format_bytes(res: dict) -> str:

@@ -371,12 +371,14 @@ def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     record = {"command": "python benchmarks/eval_masks.py x --kv-quants int4", "lengths": [1024], "bytes_at": 8192,
               "rows": [{"method": "LeanK", "name": "leank-r70-int4", "kv_quant": "int4", "bytes_per_token": 2756.0,
-                        "headline": {"1024": "0.900 +/- 0.020"}}]}
+                        "headline": {"1024": "0.900 +/- 0.020"}}],
+              "samples_per_task": 4, "headline_tasks": {"1024": ["passkey", "niah_single_number"]}}
     write_model_card(tmp_path, None, figures={"pareto.png": record["command"]}, figure_files=[png], kv_quant=record)
     text = (tmp_path / "README.md").read_text()
     assert "## KV quantisation" in text and "| LeanK | int4 | 2,756 | 0.900 +/- 0.020 |" in text
     assert "kv_quant of the LeanK rows: int8." in text  # the earlier results stay
     assert (tmp_path / "pareto.png").is_file() and "python benchmarks/eval_masks.py x --kv-quants int4" in text
+    assert "4 probes per task and length" in text and "1024 tokens: passkey, niah_single_number" in text
 
 
 def test_command_lines_take_kv_quant():

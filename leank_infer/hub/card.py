@@ -215,12 +215,17 @@ def kv_quant_section(record: dict[str, Any] | None) -> str:
     for r in record["rows"]:
         cells = [r["headline"].get(str(n), "n/a") for n in lengths]
         lines.append(f"| {r['method']} | {r['kv_quant']} | {r['bytes_per_token']:,.0f} | " + " | ".join(cells) + " |")
+    probes = record.get("samples_per_task")
+    size = "" if probes is None else (
+        f"{probes} probes per task and length; the headline is the mean over the tasks the full model passes ("
+        + "; ".join(f"{n} tokens: {', '.join(t)}" for n, t in record.get("headline_tasks", {}).items())
+        + "), +/- its standard error.\n\n")
     return (
         "## KV quantisation\n\nThe mask is unchanged; `kv_quant=\"int8\"` or `\"int4\"` (`LeanKModel.from_pretrained(mask, "
         "kv_quant=...)`, `--kv-quant`) stores the middle's kept K channels and its V quantised (K per channel, V per "
         "token; sink and recent tokens in full precision). The rows say which quantisation each method decoded with "
         f"(`QuantizedCache`: transformers' cache, every channel quantised):\n\n`{record['command']}`\n\n"
-        + "\n".join(lines) + "\n\n"
+        + "\n".join(lines) + "\n\n" + size
     )
 
 
