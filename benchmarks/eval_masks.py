@@ -18,6 +18,12 @@ the command that measured it. ``--tasks`` takes variants of the suite's tasks to
 names (``passkey[haystacks=filler]``). ``--sweep-plot PNG`` draws the masks' headline scores and cache bytes against
 their ratios at every length of the run(s) (with ``--card``, into each mask's card, this command under it).
 
+KV quantisation (issue #33), on the same probes: ``--kv-quants int8 int4`` adds each mask with its middle quantised
+(``leank-r70-int8``), ``--random-kv-quants int8`` random channels at its budget, quantised the same way
+(``random-r70-int8``: the same bytes), ``--hf-quants quanto:4 quanto:2`` transformers' ``QuantizedCache`` alone
+(``quanto-int4``: every channel, quantised). Every method's KV bytes per token after a prefill of ``--bytes-at``
+tokens (bf16 model dtype) go into the JSON and the table; ``--plot F.png`` draws them against the headline score.
+
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
         --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json] [--card]
 """
@@ -38,7 +44,7 @@ from leank_infer.decode.rule import DENSE_PREFILL, RULES
 from leank_infer.hub.card import write_model_card
 from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
-from leank_train.evaluation.methods import Full, Learned, RandomChannels, ThinK
+from leank_train.evaluation.methods import Full, Learned, QuantizedKV, RandomChannels, ThinK
 from leank_train.evaluation.report import card_results, format_table, renamed
 from leank_train.evaluation.settings import TASK_NAMES
 from leank_train.evaluation.tasks import task_variant
@@ -69,6 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rules", nargs="+", choices=RULES, default=[DENSE_PREFILL],
                    help="LeanK rules to answer with (each mask and baseline once per rule)")
+    p.add_argument("--kv-quants", nargs="+", default=[], choices=["int8", "int4"],
+                   help="also each mask with its middle quantised (LeanK + kv_quant)")
+    p.add_argument("--random-kv-quants", nargs="+", default=[], choices=["int8", "int4"],
+                   help="also random channels at each mask's budget, middle quantised")
+    p.add_argument("--hf-quants", nargs="+", default=[],
+                   help="BACKEND:BITS of transformers' QuantizedCache alone (e.g. quanto:4 quanto:2)")
+    p.add_argument("--bytes-at", type=int, default=8192, help="tokens at which KV bytes per token are reported")
+    p.add_argument("--plot", type=Path, default=None, help="bytes per token vs headline score (Pareto figure)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
     p.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -92,6 +106,15 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_baselines:
                 methods += [RandomChannels(f"random-{tag}{suffix}", like=loaded[path], rule=rule),
                             ThinK(f"think-{tag}{suffix}", like=loaded[path], rule=rule)]
+            methods += [Learned(f"leank-{tag}{suffix}-{q}", loaded[path], rule=rule, kv_quant=q)
+                        for q in args.kv_quants]
+            methods += [RandomChannels(f"random-{tag}{suffix}-{q}", like=loaded[path], rule=rule, kv_quant=q)
+                        for q in args.random_kv_quants]
+    for spec in args.hf_quants:
+        backend, _, bits = spec.partition(":")
+        if not bits.isdigit():
+            p.error(f"--hf-quants {spec!r}: give BACKEND:BITS, e.g. quanto:4")
+        methods.append(QuantizedKV(f"{backend}-int{bits}", backend, int(bits)))
     # per run: the run's own suffix of each mask given (a run may have answered with more masks, in any order)
     runs: list[dict] = []
     if args.from_json:
@@ -112,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(str(e))
         start = time.perf_counter()
         res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=tasks)
+        res["bytes_per_token"] = {m.name: method_bytes(m, lm, args.bytes_at) for m in methods}
+        res["bytes_at"] = args.bytes_at
         runs.append({"command": cmd, "seconds": time.perf_counter() - start, **res})
         if args.json:
             args.json.write_text(json.dumps(runs[0], indent=1, default=str))
@@ -120,8 +145,16 @@ def main(argv: list[str] | None = None) -> None:
         probes, took = len(res["answers"]), res["seconds"]
         print(f"`{res['command']}`\n")
         print(format_table(res))
+        if res.get("bytes_per_token"):
+            print(f"\n{format_bytes(res)}")
         print(f"\n{probes} probes, {len(res['methods'])} methods, {took / 60:.1f} min wall "
               f"({probes / took:.3f} probes/s), {args.threads} torch threads\n")
+    quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants)
+    if args.plot:
+        from leank_infer.hub.plots import plot_pareto
+
+        plot_pareto(runs[0], args.plot, runs[0]["command"])
+        print(f"plot: {args.plot}")
     figures: dict[str, str] = {}
     if args.sweep_plot:
         from leank_infer.hub.plots import plot_ratio_sweep
@@ -133,7 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         plot_ratio_sweep(sweep, args.sweep_plot, cmd)
         figures[args.sweep_plot.name] = cmd
         print(f"figure: {args.sweep_plot}")
-    if args.card:
+    if args.card and quantised:  # the cards keep their results; the run goes to their "KV quantisation" section
+        for i, path in enumerate(args.masks):
+            run = runs[0]
+            write_model_card(path, None, figures={args.plot.name: run["command"]} if args.plot else None,
+                             figure_files=[args.plot] if args.plot else (),
+                             kv_quant=kv_quant_record(run, run["tags"][i], run["command"]))
+            print(f"card: {path}")
+    elif args.card:
         for i, path in enumerate(args.masks):
             rows = []
             for res in runs:
@@ -143,6 +183,61 @@ def main(argv: list[str] | None = None) -> None:
             write_model_card(path, rows, figures=figures or None,
                              figure_files=[args.sweep_plot] if args.sweep_plot else ())
             print(f"card: {path}")
+
+
+def method_bytes(m, lm, tokens: int) -> float:
+    """KV bytes per token of method ``m``'s cache after a prefill of ``tokens`` tokens, at bf16 (the deployment dtype;
+    kv_quant's scales are float16 whatever the dtype), from the one formula (leank_infer.mask.kv_bytes)."""
+    from leank_infer.decode.kv_quant import kv_quant_format
+    from leank_infer.mask.kv_bytes import dense_token_bytes, hf_quantized_cache_bytes, prefilled_cache_bytes
+
+    cfg = lm.model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if m.hf_quant is not None:
+        return hf_quantized_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, hd, tokens, m.hf_quant[1],
+                                        torch.bfloat16) / tokens
+    mask = getattr(m, "learned", None) or getattr(m, "like", None)
+    if mask is None:
+        return dense_token_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, hd, torch.bfloat16)
+    return prefilled_cache_bytes(mask, tokens, torch.bfloat16, kv_quant_format(m.kv_quant)) / tokens
+
+
+def kv_quant_record(res: dict, tag: str, cmd: str) -> dict:
+    """The card's "KV quantisation" record of mask ``tag`` (leank_infer.hub.card.kv_quant_section): its methods
+    and the mask-free ones (full model, QuantizedCache), each with its kv_quant, bytes and headline per length."""
+    rows = []
+    heads = res.get("headline", {})
+    for name in res["methods"]:
+        parts = name.split("-")
+        if parts[0] in ("leank", "random", "think") and (len(parts) < 2 or parts[1] != tag):
+            continue  # another mask's method
+        quant = parts[-1] if parts[-1] in ("int8", "int4") and parts[0] in ("leank", "random") else "none"
+        kind = {"leank": "LeanK", "random": "random channels", "think": "ThinK", "full": "full model"}.get(
+            parts[0], f"QuantizedCache ({parts[0]}, {parts[-1]}, every channel)")
+        if kind.startswith("QuantizedCache"):
+            quant = parts[-1]
+        rows.append({"method": kind, "name": name, "kv_quant": quant, "bytes_per_token": res["bytes_per_token"][name],
+                     "headline": {str(n): f"{h['score']:.3f} +/- {h['se']:.3f}"
+                                  for n in res["lengths"] if (h := heads.get(n, heads.get(str(n), {})).get(name))}})
+    return {"command": cmd, "lengths": [int(n) for n in res["lengths"]], "bytes_at": res["bytes_at"], "rows": rows,
+            "samples_per_task": res.get("samples_per_task"),
+            "headline_tasks": {str(n): h["tasks"] for n in res["lengths"] if (h := heads.get(n, heads.get(str(n))))}}
+
+
+def format_bytes(res: dict) -> str:
+    """Markdown: each method's KV bytes per token next to its headline score at every length."""
+    lengths = res["lengths"]
+    heads = res.get("headline", {})
+    at = lambda d, n: d.get(n, d.get(str(n), {}))  # noqa: E731 (int keys fresh, string keys from JSON)
+    lines = [f"| method | KV bytes/token at {res['bytes_at']:,} (bf16) | " + " | ".join(f"headline {n}" for n in lengths)
+             + " |", "|---|---|" + "---|" * len(lengths)]
+    for name in res["methods"]:
+        cells = []
+        for n in lengths:
+            h = at(heads, n).get(name)
+            cells.append(f"{h['score']:.3f} +/- {h['se']:.3f}" if h else "n/a")
+        lines.append(f"| {name} | {res['bytes_per_token'][name]:,.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

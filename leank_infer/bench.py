@@ -190,6 +190,7 @@ def bench(
     clock: Literal["wall", "cpu"] = "wall",
     dense_until: int = 0,
     rule: Literal[RULES] = DENSE_PREFILL,
+    kv_quant: Literal["int8", "int4"] | None = None,
     estimate: str | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -215,6 +216,8 @@ def bench(
             0 = off, the default): the short-context switch, measured against plain dense.
         rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
             by its position alone, as the vLLM plugin decodes; no --dense-until).
+        kv_quant: store LeanK's middle quantised, int8 or int4 (KIVI's grouping, leank_infer.decode.kv_quant);
+            sink and recent tokens stay full precision. Default: the model's dtype.
         estimate: only print KV bytes/token dense vs LeanK for this model's config (no weights).
         plot: also draw decode time vs context to this PNG.
         card: with --plot and a mask folder: put the figure (and this command) in the mask's model card.
@@ -285,8 +288,9 @@ def bench(
     )
     print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
           + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else "")
-          + (f"; rule {rule}" if rule != DENSE_PREFILL else ""))
-    lk = LeanKModel(model, mask, dense_until=dense_until, rule=rule)
+          + (f"; rule {rule}" if rule != DENSE_PREFILL else "")
+          + (f"; middle quantised {kv_quant}" if kv_quant else ""))
+    lk = LeanKModel(model, mask, dense_until=dense_until, rule=rule, kv_quant=kv_quant)
     header = (
         f"{'context':>7} {'batch':>5} | {'dense ms/step':>13} {'LeanK ms/step':>13} {'speedup':>7} | "
         f"{'dense tok/s':>11} {'LeanK tok/s':>11} | {'dense KV MiB':>12} {'LeanK KV MiB':>12} {'KV ratio':>8} {'alloc ratio':>11}"

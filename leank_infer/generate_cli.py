@@ -47,6 +47,7 @@ def generate(
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     width: PositiveInt = 100,
     rule: Literal[RULES] = DENSE_PREFILL,
+    kv_quant: Literal["int8", "int4"] | None = None,
 ) -> int:
     """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
 
@@ -60,6 +61,7 @@ def generate(
         width: total width of the side-by-side output.
         rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
             by its position alone, the prompt's too, as the vLLM plugin decodes).
+        kv_quant: store LeanK's middle quantised, int8 or int4 (sink and recent tokens stay full precision).
     """
     check_text("--prompt", prompt)
     if not prompt.strip():
@@ -71,7 +73,7 @@ def generate(
     from .model.generation import CACHE_KWARG
     from .model.leank_model import LeanKModel
 
-    lk = LeanKModel.from_pretrained(mask, revision=revision, dtype=DTYPES[dtype], rule=rule)
+    lk = LeanKModel.from_pretrained(mask, revision=revision, dtype=DTYPES[dtype], rule=rule, kv_quant=kv_quant)
     tok = lk.tokenizer
     if tok is None:
         raise UsageError("the base model has no tokenizer")
@@ -108,7 +110,7 @@ def generate(
     print(
         f"mask {mask}: K kept {s['k_kept_fraction']:.1%}, V kept {s['v_kept_fraction']:.1%}, "
         f"sink {lk.mask.sink_size} / recent {lk.mask.recent_size} / accumu {lk.mask.accumu_size}; "
-        f"rule {rule}; prompt {n} tokens"
+        f"rule {rule}; {'middle quantised ' + kv_quant + '; ' if kv_quant else ''}prompt {n} tokens"
     )
     dense_bytes = results[0][2]
     cols = []

@@ -55,6 +55,7 @@ def eval_command(
     seed: int = 1234,
     kl: bool = True,
     rule: Literal[RULES] = DENSE_PREFILL,
+    kv_quant: Literal["int8", "int4"] | None = None,
     json: Path | None = None,
     plot: Path | None = None,
     card: bool = False,
@@ -74,6 +75,8 @@ def eval_command(
         kl: measure the next-token KL(full || LeanK) on held-out text (--no_kl skips it).
         rule: the LeanK rule the masks decode by: dense-prefill (the prompt attends with every channel) or
             positional (every query by its position alone, the prompt's too, as the vLLM plugin decodes).
+        kv_quant: the masks (and the baselines) decode with their middle quantised, int8 or int4 (KIVI's
+            grouping, leank_infer.decode.kv_quant); the full model keeps its own cache. Default: the model's dtype.
         json: write results (with every answer) to this file.
         plot: draw the results to this PNG: accuracy vs length, or accuracy and bytes vs ratio for a sweep.
         card: rewrite the mask folder's model card with these results (and the plot, if drawn).
@@ -83,7 +86,7 @@ def eval_command(
     cmd = invocation("leank eval", eval_command, dict(locals()))
     args = SimpleNamespace(mask=mask, revision=revision, lengths=lengths, samples=samples, tasks=tasks,
                               kinds=kinds, quick=quick, methods=methods, seed=seed, no_kl=not kl, json=json,
-                              plot=plot, card=card, rule=rule)
+                              plot=plot, card=card, rule=rule, kv_quant=kv_quant)
     return _eval(args, cmd)
 
 
@@ -111,7 +114,7 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
         args.lengths, args.samples, args.no_kl = QUICK["lengths"], QUICK["samples"], not QUICK["kl"]
     tasks = None if args.kinds else args.tasks
     kinds = args.kinds or KINDS
-    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision, rule=args.rule)
+    lm = LeanKModel.from_pretrained(args.mask[0], revision=args.revision, rule=args.rule, kv_quant=args.kv_quant)
     limit = model_positions(lm.model.config)
     # a suite length is the whole budget (prompt + generation, as in RULER); a needle length the prompt's
     new = 0 if tasks is not None else inspect.signature(evaluate).parameters["max_new_tokens"].default
@@ -142,7 +145,11 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
             plot_accuracy(res, draw_to, cmd)
         if args.card:
             figures = {args.plot.name: cmd} if args.plot else None
-            write_model_card(args.mask[0], card_results(res, cmd), figures=figures, figure_files=[draw_to] if args.plot else ())
+            rows = card_results(res, cmd)
+            for r in rows:  # the card says which quantisation the mask (and its baselines) decoded with
+                if (r.get("metric_args") or {}).get("method", "full") != "full":
+                    r["metric_args"]["kv_quant"] = args.kv_quant or "none"
+            write_model_card(args.mask[0], rows, figures=figures, figure_files=[draw_to] if args.plot else ())
     if args.card and len(args.mask) > 1:
         from leank_infer.hub.card import read_eval_record
 
@@ -158,5 +165,5 @@ def _evaluate(args: SimpleNamespace, cmd: str, draw_to: Path | None) -> int:
     print(f"\n`{cmd}`\n")
     print(table)
     if args.json:
-        write_file(args.json, json.dumps({"command": cmd, "rule": args.rule, **res}, indent=2))
+        write_file(args.json, json.dumps({"command": cmd, "rule": args.rule, "kv_quant": args.kv_quant, **res}, indent=2))
     return 0

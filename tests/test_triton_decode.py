@@ -217,6 +217,45 @@ def test_real_cache_layer_layout():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-k8"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_quantised_middle_in_the_kernel(dtype, fmt, padded):
+    """kv_quant: the kernel reads the int8/int4 codes of a real cache layer (odd kept counts: a half-used int4
+    byte; a K group phase; with ``int4-k8`` an open group) and scales them per group, as the PyTorch path over
+    the dequantised middle does; spare slots past the last token are poisoned and must not leak in."""
+    from leank_infer.decode.cache import LeanKLayer
+    from leank_infer.decode.kv_quant import KVQuant
+
+    gen = torch.Generator().manual_seed(11)
+    quant = {"int8": KVQuant("int8", 8, 16, 16), "int4": KVQuant("int4", 4, 16, 8),
+             "int4-k8": KVQuant("int4", 4, 8, 32)}[fmt]
+    b, hkv, g, d, total = 2, 3, 2, 32, 70
+    layer = LeanKLayer(_keep([0, 17, 6], d, gen), sink_size=4, recent_size=8, accumu_size=4, kv_quant=quant)
+    k = torch.randn(b, hkv, total, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, total, d, generator=gen).to(dtype)
+    shift = 5 if padded else 0
+    pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [shift]])
+    layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})
+    for _ in range(7):
+        layer.update(torch.randn(b, hkv, 1, d, generator=gen).to(dtype), torch.randn(b, hkv, 1, d, generator=gen).to(dtype))
+    st = layer._quant
+    assert st.phase > 0 and layer.layout().quant is not None
+    if fmt == "int4-k8":
+        assert st.open_tokens() > 0
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).to(dtype)
+    layout = layer.layout()  # checked here (spare parameters too); then the spare slots are poisoned: the kernel
+    masks = layer.decode_masks(None, 1)  # must not read them (the masks first: building them checks the cache)
+    st.v_params[:, :, st.n :] = float("nan")
+    for kp in (*st.k_scale, *st.k_min):
+        kp[..., st.k_groups() :] = float("nan")
+    st.v_codes[:, :, st.n :] = 255
+    for c in st.k_codes:
+        c[..., st.phase + st.n :] = 255
+    run_and_check((q, layout, masks, d**-0.5), block_n=16, splits=2)  # reference: torch over layout.float()
+    assert td.unsupported(q, layout, masks) is None  # the dispatcher sends a quantised middle to the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_softcap_in_the_kernel(monkeypatch, dtype):
     """Gemma 2's logit soft-capping runs in the kernel (workspaces allocated = kernel launched), on
     logits large enough (scale 0.5 on d=64: |logit| ~ 4-30) that capping at 5 changes the output."""

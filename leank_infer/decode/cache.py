@@ -54,7 +54,9 @@ from transformers.cache_utils import (
 from ..mask import ChannelMask, dense_layers_of, model_positions
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
+from .kv_quant import KVQuant, kv_quant_format
 from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
+from .quant_middle import QuantMiddleStore
 from .rule import (
     DENSE_PREFILL,
     POSITIONAL,
@@ -140,8 +142,10 @@ class LeanKLayer(CacheLayerMixin):
         shared: dict | None = None,
         dense_until: int = 0,
         rule: str = DENSE_PREFILL,
+        kv_quant: str | KVQuant | None = None,
     ):
         super().__init__()
+        self.kv_quant = kv_quant_format(kv_quant)
         if dense_until < 0:
             raise ValueError(f"dense_until must be >= 0 tokens, got {dense_until}")
         self.rule = check_rule_options(rule, dense_until)
@@ -156,6 +160,7 @@ class LeanKLayer(CacheLayerMixin):
     def _clear(self) -> None:
         self._full_k = self._full_v = self._mid_v = None
         self._mid_k: list[torch.Tensor] = []
+        self._quant: QuantMiddleStore | None = None  # the middle, when kv_quant quantises it
         self.head_len = self.tail_len = self.mid_len = 0
         self.starts: torch.Tensor | None = None
         self.padded = False
@@ -197,22 +202,32 @@ class LeanKLayer(CacheLayerMixin):
 
     @property
     def mid_k(self) -> list[torch.Tensor]:
-        """Middle K per head group as ``[B, Hg, n, c]`` views of the preallocated storage."""
+        """Middle K per head group as ``[B, Hg, n, c]`` views of the preallocated storage (kv_quant: dequantised)."""
+        if self._quant is not None:
+            return list(self.layout().dequantized().mid_k)
         return [t[:, :, : self.mid_len] for t in self._mid_k]
 
     @property
     def mid_v(self) -> torch.Tensor:
+        if self._quant is not None:
+            return self.layout().dequantized().mid_v
         return self._mid_v[:, :, : self.mid_len]
 
     def layout(self) -> DecodeLayout:
         """This layer's compressed K/V as the decode backends read it."""
         full, n = self.head_len + self.tail_len, self.mid_len
+        quant = None
+        if self._quant is not None:  # codes and their parameters, checked first (never decoded as garbage)
+            self._quant.check()
+            mid_k, mid_v, quant = self._quant.view()
+        else:
+            mid_k, mid_v = tuple(t.narrow(2, 0, n) for t in self._mid_k), self._mid_v.narrow(2, 0, n)
         return DecodeLayout(
             self._full_k.narrow(2, 0, full),
             self._full_v.narrow(2, 0, full),
             self.head_len,
-            tuple(t.narrow(2, 0, n) for t in self._mid_k),
-            self._mid_v.narrow(2, 0, n),
+            mid_k,
+            mid_v,
             self.groups,
             self.starts,
             self.sink_size,
@@ -220,6 +235,7 @@ class LeanKLayer(CacheLayerMixin):
             self.length,
             self.padded,
             (self.recent_size, self.accumu_size) if self.positional else None,
+            quant,
         )
 
     def decode_masks(self, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
@@ -242,16 +258,25 @@ class LeanKLayer(CacheLayerMixin):
         return -1
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self._full_k, self._full_v, self._mid_v, *self._mid_k) if t is not None]
+        quant = self._quant.tensors() if self._quant is not None else []
+        return [t for t in (self._full_k, self._full_v, self._mid_v, *self._mid_k, *quant) if t is not None]
 
     def nbytes(self) -> int:
-        """Bytes of the K/V this layer holds: the tokens stored, each with its channels (the mask's formula)."""
+        """Bytes of the K/V this layer holds: the tokens stored, each with its channels (the mask's formula,
+        :mod:`leank_infer.mask.kv_bytes`; kv_quant: codes, scales, minima and the open group's copy)."""
         if not self.is_initialized:
             return 0
         full = self.head_len + self.tail_len
         item = self._full_k.element_size()
         b = self._full_k.shape[0]
         per_full = self._full_k.shape[1] * (self._full_k.shape[3] + self._full_v.shape[3])
+        if self._quant is not None:
+            from ..mask.kv_bytes import quantized_middle_bytes
+
+            q = self._quant
+            middle = quantized_middle_bytes(self.groups.keep.sum(-1), q.v_dim, self.mid_len, q.k_groups(),
+                                            q.open_tokens(), q.fmt, self._full_k.dtype)
+            return b * (item * full * per_full + middle)
         per_mid = sum(t.shape[1] * t.shape[3] for t in self._mid_k) + self._mid_v.shape[1] * self._mid_v.shape[3]
         return b * item * (full * per_full + self.mid_len * per_mid)
 
@@ -352,6 +377,9 @@ class LeanKLayer(CacheLayerMixin):
         self.head_len, self.tail_len = h, t - m
         n = m - h
         mc = mid_capacity(n)
+        if self.kv_quant is not None:
+            self._quant = QuantMiddleStore(self.kv_quant, self.groups, b, v.shape[-1], v.dtype, v.device, MID_ALIGN)
+            mc = 0
         self._mid_k = [middle_k_storage(k, b, len(hs), mc, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
         self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), mc, v.shape[-1])
         self.mid_len = 0
@@ -373,6 +401,13 @@ class LeanKLayer(CacheLayerMixin):
         if n == 0:
             return
         end = self.mid_len + n
+        if self._quant is not None:  # kept channels per head group and V of nonzero heads, quantised
+            b = k.shape[0]
+            kept = [k.index_select(1, heads).gather(-1, channels.view(1, len(heads), 1, -1).expand(b, -1, n, -1))
+                    for heads, channels in zip(self.groups.heads, self.groups.channels, strict=True)]
+            self._quant.write(kept, v.index_select(1, self.groups.nonzero_order), max(MID_CHUNK, self.accumu_size))
+            self.mid_len = end
+            return
         cap = self._mid_v.shape[2]
         if end > cap:
             # the first write (an empty middle: a short prompt, or dense_until's switch) takes what it holds
@@ -444,6 +479,8 @@ class LeanKLayer(CacheLayerMixin):
             return
         self._full_k, self._full_v, self._mid_v = fn(self._full_k), fn(self._full_v), fn(self._mid_v)
         self._mid_k = [_batch_map(t, fn) for t in self._mid_k]
+        if self._quant is not None:
+            self._quant.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -504,10 +541,15 @@ class LeanKCache(Cache):
     ``dense_until`` (tokens, 0 = off): decode dense, without compressing, until a sequence holds that
     many tokens (see the module docstring): the short-context switch, never on by default.
     ``rule``: ``"dense-prefill"`` (default) or ``"positional"`` (see the module docstring; refuses ``dense_until``).
+    ``kv_quant``: ``"int8"``, ``"int4"`` (or a :class:`~leank_infer.decode.kv_quant.KVQuant`) stores the middle's
+    kept K channels and V quantised (:mod:`~leank_infer.decode.kv_quant`); sink and recent tokens stay full
+    precision. None (default): the middle in the model's dtype.
     """
 
-    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL):
+    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL,
+                 kv_quant: str | KVQuant | None = None):
         check_rule_options(rule, dense_until)
+        fmt = kv_quant_format(kv_quant)
         if config is not None:
             mask.validate(config)
         shared: dict = {}
@@ -517,7 +559,7 @@ class LeanKCache(Cache):
             model_cache_layer(config, i)
             if i in dense
             else LeanKLayer(
-                mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until, rule
+                mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until, rule, fmt
             )
             for i in range(mask.num_layers)
         ]
@@ -525,6 +567,7 @@ class LeanKCache(Cache):
         self.mask = mask
         self.dense_until = dense_until
         self.rule = rule
+        self.kv_quant = fmt
         # Each row's first real token, for a prefill whose update gets no position_ids (transformers
         # < 5.20 hands none to Cache.update): set by generate's cache hook from the attention mask.
         self.prefill_starts: torch.Tensor | None = None

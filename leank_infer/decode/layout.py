@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .kv_quant import KVQuant, dequantize, unpack
 from .rule import key_regions, row_recent_from
 
 
@@ -162,6 +163,37 @@ class DecodeMasks:
                 and self.tail_mid is None)
 
 
+@dataclass(frozen=True)
+class QuantizedMiddle:
+    """The parameters of a quantised middle (:mod:`leank_infer.decode.kv_quant`); the codes are the layout's
+    ``mid_k`` / ``mid_v``. Middle token ``j``'s K parameters are group ``(phase + j) // fmt.k_group``."""
+
+    fmt: KVQuant
+    phase: int
+    v_group: int
+    k_scale: tuple[torch.Tensor, ...]  # per head group [B, Hg, c, groups] float16
+    k_min: tuple[torch.Tensor, ...]
+    v_scale: torch.Tensor  # [B, Hnz, n, Dv // v_group] float16
+    v_min: torch.Tensor
+
+    def k_of(self, gi: int, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Head group ``gi``'s middle K ``[B, Hg, n, c]`` (a channel-major view) in ``dtype``."""
+        scale, mn = self.k_scale[gi], self.k_min[gi]
+        c, groups, g = scale.shape[2], scale.shape[3], self.fmt.k_group
+        n = codes.shape[2]
+        # codes of whole groups, from the first group's first slot (phase slots before token 0)
+        cm = codes.transpose(2, 3)  # [B, Hg, cp, n] view of channel-major storage
+        whole = groups * g
+        cm = cm.as_strided((*cm.shape[:3], whole), cm.stride(), cm.storage_offset() - self.phase * cm.stride(3))
+        k = dequantize(unpack(cm, 2, self.fmt.per_byte, c), scale, mn, g, dtype)  # [B, Hg, c, whole]
+        return k.narrow(3, self.phase, n).transpose(2, 3)
+
+    def v_of(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The middle V ``[B, Hnz, n, Dv]`` in ``dtype``."""
+        dv = self.v_scale.shape[-1] * self.v_group
+        return dequantize(unpack(codes, 3, self.fmt.per_byte, dv), self.v_scale, self.v_min, self.v_group, dtype)
+
+
 @dataclass(slots=True)
 class DecodeLayout:
     """One layer's compressed K/V as views (see the module docstring); built by the cache, read by backends."""
@@ -180,9 +212,23 @@ class DecodeLayout:
     # (recent_size, accumu_size) under the positional rule: each query's own recent part
     # (rule.row_recent_from), ``recent_from`` only where the middle ends; None: ``recent_from`` for every query
     positional: tuple[int, int] | None = None
+    # a quantised middle (kv_quant): ``mid_k`` / ``mid_v`` hold uint8 codes, these their parameters
+    quant: QuantizedMiddle | None = None
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> DecodeLayout:
+        """This layout with a full-precision middle (``dtype``: default the full part's): what a backend that
+        reads codes must compute as if over (the reference of the kv_quant tests and the PyTorch path)."""
+        q = self.quant
+        if q is None:
+            return self
+        dtype = dtype or self.full_k.dtype
+        mid_k = tuple(q.k_of(i, k, dtype) for i, k in enumerate(self.mid_k))
+        return replace(self, mid_k=mid_k, mid_v=q.v_of(self.mid_v, dtype), quant=None)
 
     def float(self) -> DecodeLayout:
         """The same layout with K/V in fp32 (the reference precision kernels are checked against)."""
+        if self.quant is not None:
+            return self.dequantized(torch.float32).float()
         return replace(
             self, full_k=self.full_k.float(), full_v=self.full_v.float(),
             mid_k=tuple(k.float() for k in self.mid_k), mid_v=self.mid_v.float(),

@@ -12,6 +12,9 @@ Two paths compute the same thing:
   softmax over both, two products with V: about ten ops per layer, no reduction statistics to merge;
 - general (left padding, several queries, model masks, soft-cap, half precision, CUDA): explicit
   scores with the region masks, fp32 softmax statistics.
+
+A quantised middle (kv_quant, :mod:`leank_infer.decode.kv_quant`) is read by the fast path's own variant
+(:func:`_fast_quantised`: int4 nibbles as two half-width products, never unpacked), or dequantised first.
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ def torch_decode_attention(
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """LeanK attention of ``query`` (``[B, Hq, Q, D]``, post-RoPE) over ``layout``; ``[B, Q, Hq, D]``."""
+    """LeanK attention of ``query`` (``[B, Hq, Q, D]``, post-RoPE) over ``layout``; ``[B, Q, Hq, D]``.
+
+    A quantised middle (``layout.quant``, kv_quant) is dequantised here, its int8/int4 codes times their
+    group's scale plus its minimum, in the dtype of the full part; the step then runs as over any middle."""
+    if layout.quant is not None:
+        dv = layout.full_v.shape[-1]
+        if fast_path_applies(query, layout, masks, softcap) and layout.quant.v_group == dv \
+                and (layout.quant.fmt.per_byte == 1 or dv % 2 == 0):
+            return _fast_quantised(query, layout, scaling)
+        layout = layout.dequantized()
     if fast_path_applies(query, layout, masks, softcap):
         return _fast(query, layout, scaling)
     return _general(query, layout, masks, scaling, softcap)
@@ -90,6 +102,73 @@ def _fast(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Te
         else:
             p4 = p.view(b, hkv, g, full + n)[:, first:end, :, full:]
             out.view(b, hkv, g, dv)[:, first:end] += torch.matmul(p4, mid_v[:, v_off : v_off + h])
+    return out.view(b, 1, hq, dv)
+
+
+def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Tensor:
+    """:func:`_fast` over a quantised middle (V: one scale per token and head), each code converted once.
+
+    K scores of a group of tokens: ``q . (code * scale + min) = (q * scale) . code + q . min``: the codes times
+    their channel's scale is the only pass over them (uint8 times fp32 gives fp32), the minima's part is one
+    small product per group. V: ``sum_j p_j (code_j * s_j + m_j) = (p * s) @ codes + p @ m``: the conversion of
+    the codes is the only pass. Same values as dequantising first (up to fp32 rounding order)."""
+    b, hq, _, d = query.shape
+    groups, quant = layout.groups, layout.quant
+    hkv = groups.num_kv_heads
+    g = hq // hkv
+    full = layout.full_k.shape[2]
+    kt = layout.full_k.reshape(b * hkv, full, d).transpose(1, 2)
+    s_full = torch.baddbmm(_ZERO, query.reshape(b * hkv, g, d), kt, beta=0, alpha=scaling)
+    n = layout.mid_len
+    dv = layout.full_v.shape[-1]
+    full_v = layout.full_v.reshape(b * hkv, full, dv)
+    if n == 0 or not groups.counts:
+        return torch.bmm(s_full.softmax(-1), full_v).view(b, 1, hq, dv)
+    q_sel = query.reshape(b, hq * d).index_select(1, groups.query_index(g, d))
+    kg, phase, per_byte = quant.fmt.k_group, quant.phase, quant.fmt.per_byte
+    blocks = []
+    for gi, hg, c, off in groups.score_plan(g):
+        if gi < 0:
+            blocks.append(_NEG_INF_T.expand(b, hg, g, n))
+            continue
+        qg = q_sel[:, off : off + hg * g * c].reshape(b * hg, g, c)
+        scale, mn = quant.k_scale[gi], quant.k_min[gi]  # [B, Hg, c, groups]
+        ng = scale.shape[3]
+        cm = layout.mid_k[gi].transpose(2, 3)  # [B, Hg, cp, n] codes, unit stride along the tokens
+        cm = cm.as_strided((*cm.shape[:3], ng * kg), cm.stride(), cm.storage_offset() - phase * cm.stride(3))
+        w = ng * kg  # from the first group's first slot
+        if per_byte == 1:
+            k = (cm.unflatten(3, (ng, kg)) * scale.float().unsqueeze(-1)).view(b * hg, c, w)
+            sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling)
+        else:  # int4: even channels in the low nibbles, odd ones in the high: two products, never interleaved
+            sf = scale.float().unsqueeze(-1)
+            lo, hi = cm & 15, (cm >> 4)[:, :, : c // 2]
+            k_lo = (lo.unflatten(3, (ng, kg)) * sf[:, :, 0::2]).view(b * hg, -1, w)
+            k_hi = (hi.unflatten(3, (ng, kg)) * sf[:, :, 1::2]).view(b * hg, -1, w)
+            sc = torch.baddbmm(_ZERO, qg[..., 0::2], k_lo, beta=0, alpha=scaling)
+            sc = torch.baddbmm(sc, qg[..., 1::2], k_hi, alpha=scaling)
+        sc = sc.view(b * hg, g, ng, kg)
+        sc += torch.bmm(qg, mn.float().reshape(b * hg, c, ng)).mul_(scaling).unsqueeze(-1)
+        blocks.append(sc.view(b, hg, g, ng * kg)[..., phase : phase + n])
+    s_mid = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)  # [B, Hkv, G, n]
+    p = torch.cat([s_full.view(b, hkv, g, full), s_mid], -1).softmax(-1).view(b, hkv, g, full + n)
+    out = torch.bmm(p.view(b * hkv, g, full + n)[:, :, :full], full_v).view(b, hkv, g, dv)
+    if per_byte == 1:
+        codes_v: tuple[torch.Tensor, ...] = (layout.mid_v.to(torch.float32),)  # [B, Hnz, n, Dv]
+    else:  # int4: even channels (low nibbles) and odd ones apart, the small outputs interleaved after
+        codes_v = ((layout.mid_v & 15).to(torch.float32), (layout.mid_v >> 4)[..., : dv // 2].to(torch.float32))
+    v_scale = quant.v_scale.float().squeeze(-1).unsqueeze(2)  # [B, Hnz, 1, n]
+    v_min = quant.v_min.float()  # [B, Hnz, n, 1]
+    for first, end, v_off in groups.runs():
+        if v_off is None:
+            continue
+        h = end - first
+        pm = p[:, first:end, :, full:]  # [B, h, G, n]
+        part = slice(v_off, v_off + h)
+        ps = pm * v_scale[:, part]
+        parts = [torch.matmul(ps, cv[:, part]) for cv in codes_v]
+        pv = parts[0] if per_byte == 1 else torch.stack(parts, -1).flatten(-2)
+        out[:, first:end] += pv + torch.matmul(pm, v_min[:, part])
     return out.view(b, 1, hq, dv)
 
 

@@ -213,10 +213,11 @@ def _mid_part(
     Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, b, i, split,
     sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
+    MKS, MKM, VS, VM, svs_b, svs_h, svs_n, svs_d, ks_cap, phase,
     mid_len, mid_cap, split_len, n_kv_heads, n_slots, slot_offset, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-    PREC: tl.constexpr, MID_CM: tl.constexpr,
+    PREC: tl.constexpr, MID_CM: tl.constexpr, QBITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of (row b, nonzero head i, split) over the compressed middle.
 
@@ -225,12 +226,19 @@ def _mid_part(
     ``mid_len`` keys used) holds channels ``MCH[g][i - STARTS[g]]`` only: q is gathered on them once,
     outside the loop. ``MID_CM``: the block of a (row, head) is channel-major ``[c, cap]`` (the cache's
     storage) instead of key-major ``[cap, c]``.
+
+    ``QBITS`` 8 or 4: a quantised middle (kv_quant). ``MK[g]`` holds uint8 codes, channel-major, int4 two kept
+    channels a byte (even index low nibble); key ``j``'s K is ``code * MKS[g][ch, (phase + j) // KG] +
+    MKM[g][...]`` (float16 parameters ``[B, Hg, c, ks_cap]``); V codes ``MV`` (int4: two channels a byte) times
+    ``VS[j, d // VG]`` plus ``VM[...]``. Dequantised in fp32, cast to the query's dtype for the dots.
     """
     k_base = MK[0]
     ch_base = MCH[0]
     first = STARTS[0]
     hg = SIZES[0]
     c = COUNTS[0]
+    ks_base = MKS[0]
+    km_base = MKM[0]
     for gi in tl.static_range(1, NUM_GROUPS):
         if i >= STARTS[gi]:
             k_base = MK[gi]
@@ -238,6 +246,8 @@ def _mid_part(
             first = STARTS[gi]
             hg = SIZES[gi]
             c = COUNTS[gi]
+            ks_base = MKS[gi]
+            km_base = MKM[gi]
     local = i - first
     kvh = tl.load(NZ + i)
 
@@ -250,7 +260,12 @@ def _mid_part(
     ch = tl.load(ch_base + local * c + offs_c, mask=c_ok, other=0)
     q_ptrs = Q + b * sq_b + (kvh * G + offs_g)[:, None] * sq_h + ch[None, :] * sq_d
     q = tl.load(q_ptrs, mask=(offs_g[:, None] < G) & c_ok[None, :], other=0.0)
-    k_row = k_base + (b * hg + local) * mid_cap * c  # [cap, c] block of this (row, head)
+    if QBITS == 4:
+        cp = (c + 1) // 2  # code bytes of a key: two kept channels a byte
+    else:
+        cp = c
+    k_row = k_base + (b * hg + local) * mid_cap * cp  # [cap, c] block of this (row, head)
+    ks_row = (b * hg + local) * c * ks_cap  # [c, ks_cap] parameters of this (row, head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -260,7 +275,19 @@ def _mid_part(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         in_range = j < mid_len
-        if MID_CM:
+        if QBITS != 0:
+            kq_ok = c_ok[:, None] & in_range[None, :]
+            if QBITS == 4:
+                byte = tl.load(k_row + j[None, :] + (offs_c // 2)[:, None] * mid_cap, mask=kq_ok, other=0)
+                code = (byte >> ((offs_c % 2) * 4).to(tl.uint8)[:, None]) & 15
+            else:
+                code = tl.load(k_row + j[None, :] + offs_c[:, None] * mid_cap, mask=kq_ok, other=0)
+            grp = (phase + j) // KG
+            p_off = ks_row + offs_c[:, None] * ks_cap + grp[None, :]
+            k_s = tl.load(ks_base + p_off, mask=kq_ok, other=0.0).to(tl.float32)
+            k_m = tl.load(km_base + p_off, mask=kq_ok, other=0.0).to(tl.float32)
+            k = (code.to(tl.float32) * k_s + k_m).to(q.dtype)
+        elif MID_CM:
             # keys run along memory: bound the load by the capacity (slots past mid_len are allocated,
             # their scores are masked below), a multiple of 16 for the cache, so tiles move as full vectors
             k_ptrs = k_row + j[None, :] + offs_c[:, None] * mid_cap
@@ -273,11 +300,25 @@ def _mid_part(
             ok = ok & (tl.load(MMASK + b * smm_b + j * smm_n, mask=in_range, other=0) != 0)
         s = _logits(tl.dot(q, k, input_precision=PREC), qk_scale, cap_log2, SOFTCAP)
         s = tl.where(ok[None, :], s, float("-inf"))
-        v = tl.load(
-            MV + b * smv_b + i * smv_h + j[:, None] * smv_n + offs_d[None, :] * smv_d,
-            mask=in_range[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        if QBITS != 0:
+            vq_ok = in_range[:, None] & d_ok[None, :]
+            if QBITS == 4:
+                byte = tl.load(MV + b * smv_b + i * smv_h + j[:, None] * smv_n + (offs_d // 2)[None, :] * smv_d,
+                               mask=vq_ok, other=0)
+                vcode = (byte >> ((offs_d % 2) * 4).to(tl.uint8)[None, :]) & 15
+            else:
+                vcode = tl.load(MV + b * smv_b + i * smv_h + j[:, None] * smv_n + offs_d[None, :] * smv_d,
+                                mask=vq_ok, other=0)
+            vp = b * svs_b + i * svs_h + j[:, None] * svs_n + (offs_d // VG)[None, :] * svs_d
+            v_s = tl.load(VS + vp, mask=vq_ok, other=0.0).to(tl.float32)
+            v_m = tl.load(VM + vp, mask=vq_ok, other=0.0).to(tl.float32)
+            v = (vcode.to(tl.float32) * v_s + v_m).to(q.dtype)
+        else:
+            v = tl.load(
+                MV + b * smv_b + i * smv_h + j[:, None] * smv_n + offs_d[None, :] * smv_d,
+                mask=in_range[:, None] & d_ok[None, :],
+                other=0.0,
+            )
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, PREC)
 
     _store_partial(
@@ -289,7 +330,7 @@ def _mid_part(
 # a generation does not recompile as they move; K/V strides and kept counts, which decide
 # vectorised loads, are.
 _VARYING = ["head_len", "head_pad", "tail_len", "full_split_len", "n_full_splits", "n_full_programs"]
-_VARYING += ["mid_len", "mid_split_len", "n_mid_splits", "n_nonzero", "n_slots"]
+_VARYING += ["mid_len", "mid_split_len", "n_mid_splits", "n_nonzero", "n_slots", "phase", "ks_cap"]
 _VARYING += ["shf_b", "shm_b", "stm_b", "smm_b"]  # row strides of masks sliced from the model's growing mask
 
 
@@ -302,12 +343,13 @@ def _partials_kernel(
     skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
     smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
+    MKS, MKM, VS, VM, svs_b, svs_h, svs_n, svs_d, ks_cap, phase,
     head_len, head_pad, tail_len, full_split_len, n_full_splits, n_full_programs,
     mid_len, mid_cap, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
     HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-    MID_CM: tl.constexpr,
+    MID_CM: tl.constexpr, QBITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
 ):  # fmt: skip
     """All partials of a decode step in one launch: programs ``[0, n_full_programs)`` do the full parts
     of (row, KV head, split), the rest the middle of (row, nonzero head, split), every group included."""
@@ -332,8 +374,10 @@ def _partials_kernel(
             Q, MK, MCH, MV, NZ, MMASK, ACC, M, L, bi // n_nonzero, bi % n_nonzero, split,
             sq_b, sq_h, sq_d, smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
             STARTS, SIZES, COUNTS,
+            MKS, MKM, VS, VM, svs_b, svs_h, svs_n, svs_d, ks_cap, phase,
             mid_len, mid_cap, mid_split_len, n_kv_heads, n_slots, n_full_splits, qk_scale, cap_log2,
             G, D, BLOCK_G, BLOCK_C, BLOCK_D, BLOCK_N, NUM_GROUPS, HAS_MID_MASK, SOFTCAP, PREC, MID_CM,
+            QBITS, KG, VG,
         )  # fmt: skip
 
 
@@ -477,6 +521,17 @@ def _mid_storage(mid_k: tuple[torch.Tensor, ...], n: int) -> tuple[tuple[torch.T
     return tuple(k.contiguous() for k in mid_k), n, False
 
 
+def _param_storage(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """K scales / minima as the kernel indexes them: ``[B, Hg, c, cap]`` storage, the last axis unit-stride, one
+    ``cap`` for every head group (the cache's; anything else is copied to that form)."""
+    caps = {p.stride(2) for p in params}
+    ok = len(caps) == 1 and all(
+        p.stride(3) == 1 and p.stride(1) == p.shape[2] * p.stride(2) and p.stride(0) == p.shape[1] * p.stride(1)
+        for p in params
+    )
+    return params if ok else tuple(p.contiguous() for p in params)
+
+
 def triton_decode_attention(
     query: torch.Tensor,
     layout: DecodeLayout,
@@ -543,6 +598,8 @@ def triton_decode_attention(
     hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
     tm, mm = _row_mask(masks.tail, b, t), _row_mask(masks.mid, b, layout.mid_len)
     mid_cap, mid_cm = 1, False
+    quant = layout.quant
+    qbits, kg, vg, phase, ks_cap = 0, 1, 1, 0, 1
     if s_mid:
         mk, mid_cap, mid_cm = _mid_storage(tuple(layout.mid_k), n)  # the cache's tensors pass without a copy
         mch = tuple(ch.contiguous() for ch in groups.channels)
@@ -550,6 +607,15 @@ def triton_decode_attention(
         counts, starts, mv = tuple(groups.counts), tuple(groups.v_offsets), layout.mid_v
     else:  # no middle programs run: placeholders of the right types
         mk, mch, sizes, counts, starts, mv = (tail_k,), (groups.nonzero_order,), (0,), (0,), (0,), tail_v
+    if s_mid and quant is not None:
+        if not mid_cm:
+            raise ValueError("a quantised middle's K codes must be the cache's channel-major storage")
+        mks, mkm = _param_storage(quant.k_scale), _param_storage(quant.k_min)
+        ks_cap = mks[0].stride(2)
+        vs, vm = quant.v_scale, quant.v_min
+        qbits, kg, vg, phase = quant.fmt.bits, quant.fmt.k_group, quant.v_group, quant.phase
+    else:  # not read (QBITS = 0): placeholders of the right types
+        mks, mkm, vs, vm = (tail_k,) * len(mk), (tail_k,) * len(mk), tail_v, tail_v
     if softcap is None:
         qk_scale, cap_log2 = float(scaling) * _LOG2E, 1.0
     else:  # cap * tanh(logit / cap), in base 2
@@ -564,12 +630,13 @@ def triton_decode_attention(
             *keep.stride(), *hf.stride(), *hm.stride(), *(tm.stride() if tm is not None else (0, 0)),
             *mv.stride(), *(mm.stride() if mm is not None else (0, 0)),
             starts, sizes, counts,
+            mks, mkm, vs, vm, *vs.stride(), ks_cap, phase,
             h, head_pad, t, full_split, s_full, n_full_programs,
             n, mid_cap, mid_split, s_mid, n_nonzero, hkv, n_slots, qk_scale, cap_log2,
             G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
             BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
             NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
-            SOFTCAP=softcap is not None, MID_CM=mid_cm,
+            SOFTCAP=softcap is not None, MID_CM=mid_cm, QBITS=qbits, KG=kg, VG=vg,
             PREC="ieee" if query.dtype == torch.float32 else None,  # fp32: exact products, not TF32
             num_warps=NUM_WARPS,
             # fp32 tiles are twice the bytes: 2 pipeline stages keep shared memory under ~90 KB (sm_80+)

@@ -212,17 +212,44 @@ def results_table(eval_results: list[dict[str, Any]]) -> str:
 _EVAL_EXTRAS = ("dataset_config", "dataset_split", "dataset_args", "metric_config", "metric_args")
 
 
+def kv_quant_section(record: dict[str, Any] | None) -> str:
+    """The card's "KV quantisation" section: the run that measured the mask with its middle quantised
+    (``kv_quant``, a decode setting: the mask is the same), each method's bytes per token next to its headline."""
+    if not record:
+        return ""
+    lengths = record["lengths"]
+    lines = [f"| method | kv_quant | KV bytes/token at {record['bytes_at']:,} (bf16) | "
+             + " | ".join(f"headline, {n} tokens" for n in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
+    for r in record["rows"]:
+        cells = [r["headline"].get(str(n), "n/a") for n in lengths]
+        lines.append(f"| {r['method']} | {r['kv_quant']} | {r['bytes_per_token']:,.0f} | " + " | ".join(cells) + " |")
+    probes = record.get("samples_per_task")
+    size = "" if probes is None else (
+        f"{probes} probes per task and length; the headline is the mean over the tasks the full model passes ("
+        + "; ".join(f"{n} tokens: {', '.join(t)}" for n, t in record.get("headline_tasks", {}).items())
+        + "), +/- its standard error.\n\n")
+    return (
+        "## KV quantisation\n\nThe mask is unchanged; `kv_quant=\"int8\"` or `\"int4\"` (`LeanKModel.from_pretrained(mask, "
+        "kv_quant=...)`, `--kv-quant`) stores the middle's kept K channels and its V quantised (K per channel, V per "
+        "token; sink and recent tokens in full precision). The rows say which quantisation each method decoded with "
+        f"(`QuantizedCache`: transformers' cache, every channel quantised):\n\n`{record['command']}`\n\n"
+        + "\n".join(lines) + "\n\n" + size
+    )
+
+
 def build_card(
     mask: ChannelMask,
     repo: str,
     eval_results: list[dict[str, Any]] | None = None,
     figures: dict[str, str] | None = None,
+    kv_quant: dict[str, Any] | None = None,
 ):
     """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys,
     and optionally the other fields of ``huggingface_hub.EvalResult`` (dataset_config, dataset_args,
     metric_config, metric_args: e.g. the context length and the method of one result).
 
-    ``figures`` maps a PNG file of the repo to the command that drew it.
+    ``figures`` maps a PNG file of the repo to the command that drew it; ``kv_quant`` is the record of
+    :func:`kv_quant_section` (the mask evaluated with a quantised middle).
     """
     import torch
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -249,9 +276,13 @@ def build_card(
         ]
         # rows of several runs (e.g. one per context length): each run's table under the command that measured it
         commands = list(dict.fromkeys(r.get("command", "leank eval " + repo) for r in eval_results))
-        results_md = "## Results\n\n" + "".join(
+        quants = sorted({str((r.get("metric_args") or {}).get("kv_quant") or "none") for r in eval_results})
+        said = ("The LeanK rows decode with the middle in the model's dtype (kv_quant: none)." if quants == ["none"]
+                else f"kv_quant of the LeanK rows: {', '.join(quants)}.")
+        results_md = f"## Results\n\n{said}\n\n" + "".join(
             f"`{cmd}`\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
             for cmd in commands)
+    results_md += kv_quant_section(kv_quant)
     data = ModelCardData(
         base_model=mask.base_model,
         library_name="leank",
@@ -322,6 +353,7 @@ def write_card_files(
     eval_results: list[dict[str, Any]] | None = None,
     repo: str | None = None,
     figures: dict[str, str] | None = None,
+    kv_quant: dict[str, Any] | None = None,
 ) -> None:
     """Write README.md, pattern.png (and eval.json) straight into ``folder``, a mask repo being built
     inside :func:`~leank_infer.mask.write_mask_folder`'s ``fill``; an existing one is updated as a
@@ -342,6 +374,8 @@ def write_card_files(
         record["results"] = eval_results
     if figures:
         record["figures"] = {**record.get("figures", {}), **figures}
+    if kv_quant is not None:
+        record["kv_quant"] = kv_quant
     if record:
         record_path.write_text(json.dumps(record, indent=2))
     repo = repo or str(folder)  # the card's usage snippet loads the folder by the path it was given
@@ -349,7 +383,7 @@ def write_card_files(
         plot_pattern(mask, folder / "pattern.png")
     except ImportError as e:
         warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
-    build_card(mask, repo, record.get("results"), record.get("figures")).save(folder / "README.md")
+    build_card(mask, repo, record.get("results"), record.get("figures"), record.get("kv_quant")).save(folder / "README.md")
 
 
 def write_model_card(
@@ -358,6 +392,7 @@ def write_model_card(
     repo: str | None = None,
     figures: dict[str, str] | None = None,
     figure_files: Sequence[str | Path] = (),
+    kv_quant: dict[str, Any] | None = None,
 ) -> Path:
     """Update the card (README.md, pattern.png, eval.json) of the mask repo ``folder`` as a whole.
 
@@ -379,6 +414,6 @@ def write_model_card(
                 shutil.copy2(f, tmp / f.name)
         for f in sources:
             shutil.copyfile(f, tmp / f.name)
-        write_card_files(tmp, eval_results, repo, figures)
+        write_card_files(tmp, eval_results, repo, figures, kv_quant)
 
     return update_mask_folder(folder, fill)

@@ -116,3 +116,35 @@ def plot_decode_time(rows: Sequence[dict[str, Any]], path: str | Path, command: 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path, command)
+
+
+def plot_pareto(results: dict[str, Any], path: str | Path, command: str | None = None) -> Path:
+    """KV bytes per token against the headline score, one point per method and one panel per length (the memory
+    levers side by side: channels, bits, both); the methods on the upper-left frontier are joined."""
+    plt = _pyplot()
+    lengths = results["lengths"]
+    heads = results.get("headline", {})
+    per_token = results["bytes_per_token"]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4.4), squeeze=False)
+    for ax, n in zip(axes[0], lengths, strict=True):
+        h = heads.get(n, heads.get(str(n), {}))
+        pts = [(per_token[m], h[m]["score"], h[m]["se"], m) for m in results["methods"] if m in h]
+        for x, y, se, m in pts:
+            ax.errorbar([x], [y], yerr=[se], marker=MARKERS.get(m.split("-")[0], "o"), capsize=3, linestyle="",
+                        label=m)
+        front, best = [], -1.0
+        for x, y, _, _ in sorted(pts):
+            if y > best:
+                front.append((x, y))
+                best = y
+        if len(front) > 1:
+            ax.plot(*zip(*front, strict=True), color="grey", linewidth=1, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel(f"KV bytes per token at {results.get('bytes_at', 8192):,} tokens (bf16)")
+        ax.set_ylabel("headline score (+/- 1 s.e.)")
+        ax.set_title(f"{n} tokens")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Channels (LeanK) x bits (kv_quant, QuantizedCache): bytes vs retrieval")
+    return _save(fig, path, command)

@@ -36,7 +36,7 @@ from ..mask import ChannelMask
 
 __all__ = [
     "CACHE_KWARG", "LeanKCacheError", "cache_kwargs", "dense_decoding", "install", "installed_mask", "installed_rule",
-    "uninstall",
+    "installed_kv_quant", "uninstall",
 ]
 
 #: The keyword ``generate`` and the models' ``forward`` take the cache under, in this transformers.
@@ -46,6 +46,7 @@ _MASK_ATTR = "_leank_mask"
 _DENSE_ATTR = "_leank_dense_attn_implementation"
 _DENSE_UNTIL_ATTR = "_leank_dense_until"
 _RULE_ATTR = "_leank_rule"
+_KV_QUANT_ATTR = "_leank_kv_quant"
 
 
 def cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def _leank_prepare_cache_for_generation(
                 "generation config (model.generation_config.cache_implementation = None)"
             )
         cache = LeanKCache(mask, config=self.config, dense_until=getattr(self, _DENSE_UNTIL_ATTR, 0),
-                           rule=getattr(self, _RULE_ATTR, DENSE_PREFILL))
+                           rule=getattr(self, _RULE_ATTR, DENSE_PREFILL), kv_quant=getattr(self, _KV_QUANT_ATTR, None))
         model_kwargs[CACHE_KWARG] = cache
         _hint_row_starts(cache, model_kwargs)
         if getattr(generation_config, "is_assistant", False):
@@ -118,9 +119,9 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DENSE_PREFILL) -> None:
+def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DENSE_PREFILL, kv_quant: Any = None) -> None:
     """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``
-    (with ``dense_until`` and ``rule``, see :class:`~leank_infer.decode.cache.LeanKCache`).
+    (with ``dense_until``, ``rule`` and ``kv_quant``, see :class:`~leank_infer.decode.cache.LeanKCache`).
 
     This object only; installing again replaces the mask (the model decodes with the last one). The
     mask must already be checked against the model (``mask.validate(model.config)``). The attention
@@ -136,6 +137,7 @@ def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DEN
     setattr(model, _MASK_ATTR, mask)
     setattr(model, _DENSE_UNTIL_ATTR, int(dense_until))
     setattr(model, _RULE_ATTR, rule)
+    setattr(model, _KV_QUANT_ATTR, kv_quant)
     model._prepare_cache_for_generation = types.MethodType(_leank_prepare_cache_for_generation, model)
 
 
@@ -143,7 +145,7 @@ def uninstall(model: Any) -> None:
     """Give ``model`` its own attention implementation and ``generate`` its own cache choice back."""
     set_attn_implementation(model, getattr(model, _DENSE_ATTR, "sdpa"))
     model.__dict__.pop("_prepare_cache_for_generation", None)
-    for attr in (_MASK_ATTR, _DENSE_ATTR, _DENSE_UNTIL_ATTR, _RULE_ATTR):
+    for attr in (_MASK_ATTR, _DENSE_ATTR, _DENSE_UNTIL_ATTR, _RULE_ATTR, _KV_QUANT_ATTR):
         model.__dict__.pop(attr, None)
 
 
@@ -169,3 +171,8 @@ def installed_mask(model: Any) -> ChannelMask | None:
 def installed_rule(model: Any) -> str | None:
     """The rule :func:`install` gave ``model`` (None if it has none)."""
     return getattr(model, _RULE_ATTR, None)
+
+
+def installed_kv_quant(model: Any) -> Any:
+    """The kv_quant :func:`install` gave ``model`` (None: none, or a full-precision middle)."""
+    return getattr(model, _KV_QUANT_ATTR, None)

@@ -18,6 +18,7 @@ import torch
 
 from ..decode.backend import requested_backend
 from ..decode.cache import LeanKCache, check_rule_options
+from ..decode.kv_quant import KVQuant, kv_quant_format
 from ..decode.rule import DENSE_PREFILL
 from ..mask import ChannelMask, check_fit
 from . import generation as _generation
@@ -40,12 +41,18 @@ class LeanKModel:
     anchored at its end. ``"positional"``: every query, the prompt's included, follows the LeanK rule by its
     position alone (:func:`~leank_infer.decode.rule.positional_recent_from`), as the vLLM plugin does, so
     chunked prefill and prefix caching give the same tokens; it has no ``dense_until``.
+
+    ``kv_quant`` (default None): ``"int8"`` or ``"int4"`` stores the middle's kept K channels and its V quantised
+    (KIVI's grouping: K per channel, V per token; :mod:`~leank_infer.decode.kv_quant`), sink and recent tokens in
+    full precision. A decode setting, not part of the mask.
     """
 
     def __init__(
-        self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL
+        self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL,
+        kv_quant: str | KVQuant | None = None,
     ):
         requested_backend()  # LEANK_BACKEND=nope: refused now, not at the first decode step
+        fmt = kv_quant_format(kv_quant)
         mask.validate(model.config)
         if isinstance(dense_until, bool) or not isinstance(dense_until, int) or dense_until < 0:
             raise ValueError(f"dense_until must be a number of tokens >= 0, got {dense_until!r}")
@@ -55,7 +62,8 @@ class LeanKModel:
         self.tokenizer = tokenizer
         self.dense_until = dense_until
         self.rule = rule
-        _generation.install(model, mask, dense_until, rule)
+        self.kv_quant = fmt
+        _generation.install(model, mask, dense_until, rule, fmt)
 
     @classmethod
     def from_pretrained(
@@ -67,6 +75,7 @@ class LeanKModel:
         check_base_model: bool = True,
         dense_until: int = 0,
         rule: str = DENSE_PREFILL,
+        kv_quant: str | KVQuant | None = None,
         **hf_kwargs: Any,
     ) -> LeanKModel:
         """Load a mask (folder or Hub repo) and the base model its config names (``hf_kwargs`` go to the loader).
@@ -80,29 +89,34 @@ class LeanKModel:
         (:func:`~leank_infer.mask.fit.check_fit`: its shape, its Hub id, no adapter the model may
         lack, the config overrides carried; else ``MaskError``, before the model is touched). A
         fine-tune or a renamed copy of the base model passes ``check_base_model=False``, which turns
-        the identity checks into a warning. ``dense_until`` and ``rule``: see :class:`LeanKModel`.
+        the identity checks into a warning. ``dense_until``, ``rule`` and ``kv_quant``: see :class:`LeanKModel`.
         """
         requested_backend()  # before anything loads
         check_rule_options(rule, dense_until)
+        kv_quant_format(kv_quant)
         mask = ChannelMask.from_pretrained(repo_or_dir, revision=revision)
         if model is None:
             model, loaded_tokenizer = load_mask_base_model(mask, **hf_kwargs)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             check_fit(mask, model.config, [getattr(model.config, "_name_or_path", None)], check_base_model)
-        return cls(model, mask, tokenizer, dense_until=dense_until, rule=rule)
+        return cls(model, mask, tokenizer, dense_until=dense_until, rule=rule, kv_quant=kv_quant)
 
     # ---- decoding ------------------------------------------------------------------------------
     def new_cache(self) -> LeanKCache:
         """An empty LeanK cache for this model (one per generation / conversation)."""
-        return LeanKCache(self.mask, config=self.model.config, dense_until=self.dense_until, rule=self.rule)
+        return LeanKCache(self.mask, config=self.model.config, dense_until=self.dense_until, rule=self.rule,
+                          kv_quant=self.kv_quant)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate``: a fresh LeanK cache unless one is passed (as ``cache=`` or ``past_key_values=``,
         either name on any supported transformers)."""
         kwargs = _generation.cache_kwargs(kwargs)
-        installed = (_generation.installed_mask(self.model), _generation.installed_rule(self.model))
-        if kwargs.get(_generation.CACHE_KWARG) is None and (installed[0] is not self.mask or installed[1] != self.rule):
+        installed = (_generation.installed_mask(self.model), _generation.installed_rule(self.model),
+                     _generation.installed_kv_quant(self.model))
+        if kwargs.get(_generation.CACHE_KWARG) is None and (
+            installed[0] is not self.mask or installed[1] != self.rule or installed[2] != self.kv_quant
+        ):
             # another LeanKModel wrapped the same model with its mask (or rule) since: decode with this one's
             kwargs[_generation.CACHE_KWARG] = self.new_cache()
         return self.model.generate(*args, **kwargs)
@@ -132,4 +146,5 @@ class LeanKModel:
 
     def __repr__(self) -> str:
         rule = "" if self.rule == DENSE_PREFILL else f", rule={self.rule!r}"
-        return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r}{rule})"
+        quant = "" if self.kv_quant is None else f", kv_quant={self.kv_quant.name!r}"
+        return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r}{rule}{quant})"

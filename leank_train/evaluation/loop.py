@@ -21,7 +21,7 @@ from leank_infer import ChannelMask
 
 from ..errors import RecipeError
 from .kl import next_token_kl
-from .methods import METHODS, Full, Learned, Method, RandomChannels, method, rule_of
+from .methods import METHODS, Full, Learned, Method, RandomChannels, kv_quant_of, method, rule_of
 from .needles import KINDS, make_probe
 from .prefill import decode_each, prefill
 from .report import renamed
@@ -58,7 +58,8 @@ def answer_batch(lm: Any, methods: Sequence[Method], prompts: Sequence[list[int]
     out: dict[str, list[str]] = {}
     for m in methods:
         masks = [m.mask(lm, pre, row) for row in range(len(prompts))]
-        tokens = decode_each(lm, masks, pre, budget, rule=rule_of(m, lm))
+        tokens = decode_each(lm, masks, pre, budget, rule=rule_of(m, lm), kv_quant=kv_quant_of(m, lm),
+                             hf_quant=m.hf_quant)
         out[m.name] = [lm.tokenizer.decode(t[:n], skip_special_tokens=True)
                        for t, n in zip(tokens, max_new_tokens, strict=True)]
     return out

@@ -13,6 +13,10 @@ A LeanK method decodes by a rule (``rule``: ``"dense-prefill"`` or ``"positional
 ``"positional"`` the prompt's attention depends on the mask, so such a method prefills on its own
 (:func:`.prefill.decode`) instead of sharing the batch's dense prefill.
 
+A LeanK method may also store its middle quantised (``kv_quant``: ``"int8"`` / ``"int4"``, see
+:class:`leank_infer.LeanKModel`). :class:`QuantizedKV` is KV quantisation alone: every channel, transformers'
+``QuantizedCache`` (quanto or HQQ backend), the baseline LeanK + quantisation is measured against.
+
 Nothing here keeps state between calls: a method's fields are its settings.
 """
 
@@ -39,6 +43,8 @@ class Method:
     name: str = ""
     window: int = 0
     rule: str | None = None
+    kv_quant: str | None = None  # a LeanK method's quantised middle (None: the model's dtype)
+    hf_quant: tuple[str, int, int] | None = None  # (backend, bits, group) of transformers' QuantizedCache
 
     def mask(self, lm: Any, prefill: Prefill, row: int) -> ChannelMask | None:
         """The mask row ``row`` of ``prefill`` decodes with (None: every channel, the model's own cache)."""
@@ -62,6 +68,7 @@ class Learned(Method):
     name: str = "leank"
     learned: ChannelMask | None = None
     rule: str | None = None
+    kv_quant: str | None = None
 
     def mask(self, lm, prefill, row):
         return self.learned if self.learned is not None else lm.mask
@@ -77,6 +84,7 @@ class RandomChannels(Method):
     like: ChannelMask | None = None
     fixed: ChannelMask | None = None
     rule: str | None = None
+    kv_quant: str | None = None
 
     def mask(self, lm, prefill, row):
         return self.fixed if self.fixed is not None else random_mask_like(self.like or lm.mask, self.seed)
@@ -91,12 +99,31 @@ class ThinK(Method):
     window: int = 32
     like: ChannelMask | None = None
     rule: str | None = None
+    kv_quant: str | None = None
 
     def mask(self, lm, prefill, row):
         start = int(prefill.starts[row])
         keys = {i: k[row:row + 1, :, start:] for i, k in enumerate(prefill.keys)}
         queries = {i: q[row:row + 1] for i, q in prefill.queries.items()}
         return think_from(queries, keys, self.like or lm.mask, self.window)
+
+
+@dataclass
+class QuantizedKV(Method):
+    """KV quantisation alone: every channel, the cache transformers' ``QuantizedCache(backend, nbits=bits)``
+    with its defaults (64 values per group, ``group``; the last 128 tokens in full precision)."""
+
+    name: str = "quanto-int4"
+    backend: str = "quanto"
+    bits: int = 4
+    group: int = 64  # values per scale (transformers' q_group_size): it must divide a layer's K/V size
+
+    @property
+    def hf_quant(self) -> tuple[str, int, int]:  # type: ignore[override]
+        return (self.backend, self.bits, self.group)
+
+    def mask(self, lm, prefill, row):
+        return None
 
 
 #: the methods by name, as ``--methods`` names them
@@ -108,6 +135,11 @@ def method(name: str) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     return METHODS[name]()
+
+
+def kv_quant_of(method: Method, lm: Any) -> Any:
+    """The kv_quant a method's masks decode with: its own, else the evaluated model's (``lm.kv_quant``), else None."""
+    return method.kv_quant or getattr(lm, "kv_quant", None)
 
 
 def rule_of(method: Method, lm: Any) -> str:

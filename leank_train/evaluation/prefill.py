@@ -119,12 +119,20 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, w
     return Prefill(input_ids, attention_mask, keys, values, out.logits[:, -1].argmax(-1), queries)
 
 
-def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill) -> Any:
-    """A cache holding the prefill's K/V as ``mask``'s own prefill would store them (None: a dense cache)."""
-    from transformers import DynamicCache
+def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str | None = None,
+                  hf_quant: tuple[str, int, int] | None = None) -> Any:
+    """A cache holding the prefill's K/V as ``mask``'s own prefill would store them (None: a dense cache;
+    ``kv_quant``: a LeanK cache with a quantised middle; ``hf_quant`` (backend, bits, group): transformers'
+    ``QuantizedCache``, every channel)."""
+    from transformers import DynamicCache, QuantizedCache
 
     config = lm.model.config
-    cache = DynamicCache(config=config) if mask is None else LeanKCache(mask, config=config)
+    if mask is not None:
+        cache = LeanKCache(mask, config=config, kv_quant=kv_quant)
+    elif hf_quant is not None:
+        cache = QuantizedCache(hf_quant[0], config, nbits=hf_quant[1], q_group_size=hf_quant[2])
+    else:
+        cache = DynamicCache(config=config)
     return fill_from_prefill(cache, pre.keys, pre.values, pre.positions)
 
 
@@ -138,14 +146,17 @@ def _eos_ids(lm: Any) -> set[int]:
 
 @torch.no_grad()
 def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
-           rule: str = DENSE_PREFILL) -> list[list[int]]:
+           rule: str = DENSE_PREFILL, kv_quant: str | None = None,
+           hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
     """Greedy answer tokens of each row with ``mask`` (None: the full model), up to ``max_new_tokens``,
     ending before the first end-of-sequence token: what ``generate`` returns after this prefill. With
-    ``rule="positional"`` a mask's answers come from its own prefill (``generate`` from the prompt)."""
+    ``rule="positional"`` a mask's answers come from its own prefill (``generate`` from the prompt).
+    ``kv_quant``: the LeanK cache's middle quantised; ``hf_quant``: without a mask, transformers'
+    ``QuantizedCache`` instead of the dense one (see :func:`_filled_cache`)."""
     eos = _eos_ids(lm)
     pad = next(iter(eos)) if eos else 0
     if check_rule(rule) == POSITIONAL and mask is not None:
-        cache = LeanKCache(mask, config=lm.model.config, rule=POSITIONAL)
+        cache = LeanKCache(mask, config=lm.model.config, rule=POSITIONAL, kv_quant=kv_quant)
         out = lm.model.generate(input_ids=pre.input_ids, attention_mask=pre.attention_mask, **{CACHE_KWARG: cache},
                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         return _until_eos(out[:, pre.input_ids.shape[1]:], eos)
@@ -154,7 +165,7 @@ def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
     if max_new_tokens > 1 and not all(int(t) in eos for t in pre.first):
         ids = torch.cat([pre.input_ids, first], -1)
         attn = torch.cat([pre.attention_mask, torch.ones_like(first)], -1)
-        cache = _filled_cache(lm, mask, pre)
+        cache = _filled_cache(lm, mask, pre, kv_quant, hf_quant)
         with lm.dense() if mask is None else contextlib.nullcontext():
             out = lm.model.generate(input_ids=ids, attention_mask=attn, **{CACHE_KWARG: cache},
                                     max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=pad)
@@ -172,8 +183,10 @@ def _until_eos(tokens: torch.Tensor, eos: set[int]) -> list[list[int]]:
 
 
 def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_new_tokens: int,
-                key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DENSE_PREFILL) -> list[list[int]]:
-    """Row ``i`` decoded with ``masks[i]`` by ``rule``: rows that share a mask decode together, in one batch."""
+                key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DENSE_PREFILL,
+                kv_quant: str | None = None, hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
+    """Row ``i`` decoded with ``masks[i]`` by ``rule`` (and ``kv_quant`` / ``hf_quant``, see :func:`decode`):
+    rows that share a mask decode together, in one batch."""
     key = key or mask_key
     groups: dict[Any, list[int]] = {}
     for i, m in enumerate(masks):
@@ -181,7 +194,8 @@ def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_
     answers: list[list[int]] = [[] for _ in masks]
     for rows in groups.values():
         part = pre if len(rows) == len(masks) else pre.select(rows)
-        for i, tokens in zip(rows, decode(lm, masks[rows[0]], part, max_new_tokens, rule), strict=True):
+        for i, tokens in zip(rows, decode(lm, masks[rows[0]], part, max_new_tokens, rule, kv_quant, hf_quant),
+                             strict=True):
             answers[i] = tokens
     return answers
 
