@@ -131,3 +131,37 @@ def embedded():
     from leank_infer import load_base_model
 
     return load_base_model("embedded")
+
+
+@pytest.fixture
+def fake_embedded(tmp_path, monkeypatch):
+    """``_embedded_copy`` of a fake GGUF in a fresh LEANK_CACHE, the de-quantisation stood in for by a tiny model."""
+    import leank_infer.model.loading as loading
+
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)
+    gguf = tmp_path / "pkg" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    model = tiny_model("llama")
+
+    class FakeAuto:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            return model
+
+        @staticmethod
+        def from_config(config, **k):
+            return type(model)(config)
+
+    class FakeTok:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            class T:
+                def save_pretrained(self, folder):
+                    Path(folder, "tokenizer.json").write_text("{}")
+            return T()
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM", FakeAuto)
+    monkeypatch.setattr("transformers.AutoTokenizer", FakeTok)
+    return lambda: loading._embedded_copy(gguf)

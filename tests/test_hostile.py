@@ -553,37 +553,10 @@ def test_a_malicious_checkpoint_is_refused_in_one_line(tmp_path, capsys):
 
 
 # ---- Also: a damaged de-quantised copy in the leank cache is rebuilt --------------------------------------------
-def test_a_truncated_cached_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
-    from conftest import tiny_model
-
+def test_a_truncated_cached_copy_is_detected_and_rebuilt(fake_embedded):
     import leank_infer.model.loading as loading
 
-    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "pkg" / "tiny.gguf"
-    gguf.parent.mkdir()
-    gguf.write_bytes(b"GGUF")
-    model = tiny_model("llama")
-
-    class FakeAuto:  # stands in for the 15-30 s GGUF de-quantisation
-        @staticmethod
-        def from_pretrained(*a, **k):
-            return model
-
-        @staticmethod
-        def from_config(config, **k):
-            return type(model)(config)
-
-    class FakeTok:
-        @staticmethod
-        def from_pretrained(*a, **k):
-            class T:
-                def save_pretrained(self, folder):
-                    Path(folder, "tokenizer.json").write_text("{}")
-            return T()
-
-    monkeypatch.setattr("transformers.AutoModelForCausalLM", FakeAuto)
-    monkeypatch.setattr("transformers.AutoTokenizer", FakeTok)
-    copy = loading._embedded_copy(gguf)
+    copy = fake_embedded()
     assert copy_problem(copy) is None
     weights = copy / "model.safetensors"
     size = weights.stat().st_size
@@ -591,7 +564,7 @@ def test_a_truncated_cached_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
         f.truncate(size - 100)
     assert "when it was written" in copy_problem(copy)
     with pytest.warns(UserWarning, match="damaged.*rebuilding"):
-        again = loading._embedded_copy(gguf)
+        again = fake_embedded()
     assert again == copy and weights.stat().st_size == size and copy_problem(copy) is None
     (copy / "tokenizer.json").write_text('{"tr')
     assert "tokenizer.json is 4 bytes, 2 when it was written" in copy_problem(copy)
