@@ -251,6 +251,20 @@ def test_kv_bytes_after_many_decode_steps_follow_the_schedule():
     assert cache.nbytes() < total * per["dense"]
 
 
+def assert_beam_scores_are_their_sequences_decoded_alone(lk, ids, out, new: int) -> None:
+    """Each beam's score is the sum of its tokens' log-probabilities decoded step by step in a fresh cache: a
+    reordered cache that served another beam's keys would change them."""
+    n = ids.shape[1]
+    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
+        cache = lk.new_cache()
+        with torch.no_grad():
+            logp = [torch.log_softmax(lk(ids, cache=cache).logits[0, -1].float(), -1)]
+            for t in range(n, n + new - 1):
+                logp.append(torch.log_softmax(lk(seq[None, t : t + 1], cache=cache).logits[0, -1].float(), -1))
+        alone = sum(float(lp[seq[n + i]]) for i, lp in enumerate(logp))
+        assert score.item() == pytest.approx(alone, abs=1e-4)
+
+
 def test_beam_search_reorders_a_pruned_cache():
     """Beams swap places during the search: each returned beam's score equals that sequence decoded alone,
     one token at a time through a fresh LeanK cache (a cache not reordered with its beam would mix them).
@@ -266,14 +280,7 @@ def test_beam_search_reorders_a_pruned_cache():
     assert (out.beam_indices[:, 10:new] != out.beam_indices[:, 9:new - 1]).any()  # beams swapped late
     with lk.dense():
         assert not torch.equal(hf_generate(model, ids, **kw), out.sequences)  # the search itself is pruned
-    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
-        cache = lk.new_cache()
-        with torch.no_grad():
-            logp = [torch.log_softmax(lk(ids, cache=cache).logits[0, -1].float(), -1)]
-            for t in range(12, 12 + new - 1):
-                logp.append(torch.log_softmax(lk(seq[None, t : t + 1], cache=cache).logits[0, -1].float(), -1))
-        alone = sum(float(lp[seq[12 + i]]) for i, lp in enumerate(logp))
-        assert score.item() == pytest.approx(alone, abs=1e-4)
+    assert_beam_scores_are_their_sequences_decoded_alone(lk, ids, out, new)
 
 
 def test_dense_until_is_dense_generate_below_and_the_leank_rule_above(family):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from test_model import SIZES, prompt, random_mask
+from test_model import SIZES, assert_beam_scores_are_their_sequences_decoded_alone, prompt, random_mask
 
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.decode.attention import dense_attention
@@ -160,14 +160,7 @@ def test_beam_search_reorders_a_positional_cache():
     out = lk.generate(ids, attention_mask=torch.ones_like(ids), output_scores=True, return_dict_in_generate=True,
                       **kw)
     assert (out.beam_indices[:, 10:new] != out.beam_indices[:, 9:new - 1]).any()  # beams swapped late
-    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
-        cache = lk.new_cache()
-        with torch.no_grad():
-            logp = [torch.log_softmax(lk(ids, cache=cache).logits[0, -1].float(), -1)]
-            for t in range(12, 12 + new - 1):
-                logp.append(torch.log_softmax(lk(seq[None, t : t + 1], cache=cache).logits[0, -1].float(), -1))
-        alone = sum(float(lp[seq[12 + i]]) for i, lp in enumerate(logp))
-        assert score.item() == pytest.approx(alone, abs=1e-4)
+    assert_beam_scores_are_their_sequences_decoded_alone(lk, ids, out, new)
 
 
 def test_rows_selected_or_repeated_decode_as_before():
