@@ -32,3 +32,36 @@ def test_paged_reference_is_the_positional_rule_over_full_kv(lengths, counts, q_
             skip_zero_heads=True, accumu_size=mask.accumu_size,
         )[0, 0]  # fmt: skip
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5, msg=f"request of {n} tokens")
+
+
+@pytest.mark.parametrize(
+    ("length", "cached", "counts", "q_heads", "dtype"),
+    [
+        (700, 0, [3, 0, 64], 6, torch.float32),  # a whole prompt; a head keeping nothing, one keeping all
+        (700, 300, [20, 7, 1], 3, torch.float32),  # a later chunk: cached keys from the pages
+        (90, 10, [3, 0, 64], 6, torch.float32),  # the first query inside the sink
+        (600, 517, [0, 0, 0], 6, torch.float32),  # a layer keeping nothing: sink and window only
+        (1100, 256, [5, 9, 0], 6, torch.bfloat16),  # several 256-query chunks inside SDPA, the model's dtype
+    ],
+)
+def test_prefill_chunk_equals_the_reference(length, cached, counts, q_heads, dtype):
+    """The backend's prompt-chunk attention (SDPA) gives what the paged reference gives, from any cached prefix."""
+    from leank_infer.vllm.kernels import prefill
+    from leank_infer.vllm.paged_reference import reference_attention, request_kv
+
+    mask = random_mask(2, 3, 64, counts, seed=length)
+    pages = random_pages(mask, [cached + 1], layer=0, q_heads=q_heads)  # the pages as the chunk finds them
+    g = torch.Generator().manual_seed(cached)
+    n = length - cached
+    q = torch.randn(n, q_heads, 64, generator=g).to(dtype)
+    kv = (torch.randn(n, 3, 64, generator=g).to(dtype), torch.randn(n, 3, 64, generator=g).to(dtype))
+    grow = torch.zeros(-(-length // 16), dtype=torch.int32)  # the chunk's own blocks: NaN pages, never read
+    tables = [torch.cat([t[0], grow])[: grow.numel()] for t in (pages.packed_table, pages.window_table)]
+    k, v = request_kv(pages.plan, pages.slot, pages.packed, tables[0], pages.window, tables[1], length, cached,
+                      *kv, dtype)  # fmt: skip
+    scale = 64**-0.5
+    want = reference_attention(pages.plan, pages.slot, q, k, v, cached, scale)
+    got = prefill(pages.plan, pages.slot, q, k, v, cached, scale)
+    assert got.dtype == dtype and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -7,6 +7,7 @@ puts the producing command under the title, so a figure never travels without it
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,20 @@ def _pyplot():
     return plt
 
 
-def _save(fig: Any, path: str | Path, command: str | None) -> Path:
+def _save(fig: Any, path: str | Path, command: str | None, title: str | None = None) -> Path:
+    """Write ``fig``, the command that made it printed at the bottom and ``title`` above, both wrapped to its
+    width and given room of their own (nothing overlaps the axes' labels)."""
+    width, height = fig.get_size_inches()
+    chars = max(20, int(width * 16))  # 7 pt monospace: about 16 characters per inch
+    bottom = 0.0
     if command:
-        fig.text(0.5, 0.005, command, ha="center", va="bottom", fontsize=7, family="monospace", wrap=True)
-    fig.tight_layout(rect=(0, 0.05 if command else 0, 1, 1))
+        lines = textwrap.wrap(command, chars) or [""]
+        fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize=7, family="monospace")
+        bottom = (len(lines) * 0.13 + 0.05) / height
+    if title:
+        lines = textwrap.wrap(title, max(20, int(width * 11)))  # 11 pt: about 11 characters per inch
+        fig.suptitle("\n".join(lines), fontsize=11)  # tight_layout makes room for it
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -125,7 +136,7 @@ def plot_pareto(results: dict[str, Any], path: str | Path, command: str | None =
     lengths = results["lengths"]
     heads = results.get("headline", {})
     per_token = results["bytes_per_token"]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(max(6.4, 4.6 * len(lengths)), 5.0), squeeze=False)
     for ax, n in zip(axes[0], lengths, strict=True):
         h = heads.get(n, heads.get(str(n), {}))
         pts = [(per_token[m], h[m]["score"], h[m]["se"], m) for m in results["methods"] if m in h]
@@ -140,11 +151,11 @@ def plot_pareto(results: dict[str, Any], path: str | Path, command: str | None =
         if len(front) > 1:
             ax.plot(*zip(*front, strict=True), color="grey", linewidth=1, linestyle=":")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x:,.0f}")  # bytes, not powers of two
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel(f"KV bytes per token at {results.get('bytes_at', 8192):,} tokens (bf16)")
         ax.set_ylabel("headline score (+/- 1 s.e.)")
         ax.set_title(f"{n} tokens")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle("Channels (LeanK) x bits (kv_quant, QuantizedCache): bytes vs retrieval")
-    return _save(fig, path, command)
+    return _save(fig, path, command, "Channels (LeanK) x bits (kv_quant, QuantizedCache): bytes vs retrieval")

@@ -13,8 +13,8 @@ attention, unchanged. With one, each decoder layer of the model is a LeanK layer
   so chunked prefill, prefix-cache hits and preemption give the tokens an unchunked, uncached,
   uninterrupted run gives (up to floating point), and so does ``LeanKModel(..., rule="positional")``;
 - the decode requests of a step (one new token each; vLLM puts them first) go to one kernel call per
-  layer (:mod:`~leank_infer.vllm.kernels`); prefill chunks use the PyTorch reference
-  (:mod:`~leank_infer.vllm.paged_reference`), where attention is a matrix product anyway.
+  layer (:mod:`~leank_infer.vllm.kernels`); each prefill chunk gathers its request's K/V from the pages and
+  runs the SDPA-based positional prefill (:func:`~leank_infer.vllm.kernels.prefill`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from ..mask import ChannelMask, MaskError
 from . import kernels
-from .paged_reference import reference_attention, request_kv
+from .paged_reference import request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
 from .stores import PackedBackend, Store, WindowBackend
@@ -135,7 +135,7 @@ class LeanKAttentionMixin:
                 self.plan, slot, packed, md.block_table[row], window, window_md.block_table[row],
                 cached + end - start, cached, k[start:end], v[start:end], q.dtype, *scales,
             )  # fmt: skip
-            out[start:end] = reference_attention(self.plan, slot, q[start:end], kk, vv, cached, self.scale)
+            out[start:end] = kernels.prefill(self.plan, slot, q[start:end], kk, vv, cached, self.scale)
         return output
 
 

@@ -4,8 +4,9 @@ It reads a request's keys the way the kernels do — middle keys from the packed
 V of heads keeping any), sink and window keys with every channel from the window pages, the step's
 own new keys from the step's K/V — rebuilds dense K/V (zeros where nothing is stored) and calls the
 one PyTorch implementation of the rule, :func:`leank_infer.decode.masked_attention.leank_attention`,
-with the positional rule. Its cost is a gather of the request's whole context, so the backend uses
-it for prefill chunks (where attention is a matrix product anyway) and the kernels for decoding.
+with the positional rule. The backend uses :func:`request_kv` for prefill chunks (its gather, then
+:func:`~leank_infer.vllm.kernels.prefill`, SDPA) and the kernels for decoding; :func:`reference_attention` is
+what both are tested against.
 """
 
 from __future__ import annotations
