@@ -1,0 +1,335 @@
+// The quantised LeanK middle on the CPU: scores against the K codes and the product of the weights with the V
+// codes, read as bytes (int8) or nibbles (int4) and never copied out as floats.
+// Plain C++ (no PyTorch or Python headers), built by leank_infer/decode/quant_cpu.py and called through ctypes.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+#define GB 4   // query heads whose accumulators stay in registers at once
+#define TT 64  // V: tokens whose weights are computed before their codes are read
+
+struct KArgs {  // mirrored by _KArgs in quant_cpu.py: keep the order
+    int64_t B, H, G, C, n, phase, k_group, per_byte;  // H heads of C kept channels, G query heads each
+    const float *q;  // q[b*q_b + h*q_h + g*C + c]
+    int64_t q_b, q_h;
+    const uint8_t *codes;  // byte row r (channel r, int4: channels 2r, 2r+1) at slot s: codes[b*c_b + h*c_h + r*c_r + s]
+    int64_t c_b, c_h, c_r;  // slot 0 is middle token -phase
+    const uint16_t *scale, *minimum;  // float16 of channel c, K group j: [b*p_b + h*p_h + c*p_c + j]
+    int64_t p_b, p_h, p_c;
+    float *out;  // score of middle token t: out[b*o_b + h*o_h + g*o_g + t]
+    int64_t o_b, o_h, o_g;
+    double scaling;
+    int64_t threads, split;  // split: slots per piece of work (a multiple of 32)
+};
+
+struct VArgs {  // mirrored by _VArgs in quant_cpu.py
+    int64_t B, Hkv, G, Dv, n, per_byte;
+    const float *p;  // weight of middle token t: p[b*p_b + h*p_h + g*p_g + t]
+    int64_t p_b, p_h, p_g;
+    const uint8_t *codes;  // V codes of stored head i, token t: codes[b*c_b + i*c_h + t*c_t + byte]
+    int64_t c_b, c_h, c_t;
+    const uint16_t *scale, *minimum;  // float16, one per token: [b*s_b + i*s_h + t*s_t]
+    int64_t s_b, s_h, s_t;
+    const int64_t *v_row;  // [Hkv]: stored head of KV head h, -1: none (no middle keys)
+    float *out;  // out[b*o_b + h*o_h + g*o_g + d] += the middle's part
+    int64_t o_b, o_h, o_g;
+    int64_t threads, split;  // split: tokens per piece of work
+};
+
+// IEEE half to float (normals, subnormals, inf, NaN) with integer ops only: any x86-64 or ARM build.
+static inline float f16_f(uint16_t h) {
+    uint32_t em = h & 0x7fffu, u = em << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p112f;
+    memcpy(&u, &f, 4);
+    if (em >= 0x7c00u) u |= 0x7f800000u;
+    u |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline v8b load8(const uint8_t *p) {
+    v8b r;
+    memcpy(&r, p, 8);
+    return r;
+}
+static inline v8 to_f(v8b b) { return __builtin_convertvector(__builtin_convertvector(b, v8i), v8); }
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 loadf(const float *p) {
+    v8 r;
+    memcpy(&r, p, 32);
+    return r;
+}
+static inline void storef(float *p, v8 x) { memcpy(p, &x, 32); }
+
+// ---- K scores ----------------------------------------------------------------------------------------
+// s[t] = scaling * (sum_c q[c] * scale[c, j] * code[c, t] + sum_c q[c] * min[c, j]), j the K group of slot
+// phase + t: the query times the group's scales (qs) and the minima's part (qm) are computed once per group.
+static void k_params(const KArgs *a, const float *q, const uint16_t *sc, const uint16_t *mn, int64_t grp,
+                     int64_t cs, float *qs, float *qm) {
+    const int64_t C = a->C, G = a->G;
+    const float scaling = (float)a->scaling;
+    for (int64_t g = 0; g < G; g++) qm[g] = 0.f;
+    for (int64_t c = 0; c < C; c++) {
+        const float s = f16_f(sc[c * a->p_c + grp]), m = f16_f(mn[c * a->p_c + grp]);
+        for (int64_t g = 0; g < G; g++) {
+            const float x = scaling * q[g * C + c];
+            qs[g * cs + c] = x * s;
+            qm[g] += x * m;
+        }
+    }
+}
+
+// One chunk of 8 * NV slots from slot s (a multiple of 8 * NV, inside one K group), query heads [g0, g0 + NG).
+template <int NV, int PB, int NG>
+static inline void k_chunk(const KArgs *a, const uint8_t *codes, const float *qs, const float *qm, int64_t cs,
+                           int64_t s, int64_t s0, int64_t s1, int64_t g0, float *out) {
+    v8 acc[NG][NV];
+    for (int g = 0; g < NG; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = splat(qm[g0 + g]);
+    const int64_t rows = PB == 1 ? a->C : (a->C + 1) / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = codes + r * a->c_r + s;
+        if (PB == 1) {
+            v8 x[NV];
+            for (int v = 0; v < NV; v++) x[v] = to_f(load8(row + 8 * v));
+            for (int g = 0; g < NG; g++) {
+                const v8 w = splat(qs[(g0 + g) * cs + r]);
+                for (int v = 0; v < NV; v++) acc[g][v] += w * x[v];
+            }
+        } else {  // channel 2r in the low nibble, 2r + 1 in the high one (qs is 0 past the last channel)
+            v8 lo[NV], hi[NV];
+            for (int v = 0; v < NV; v++) {
+                const v8b b = load8(row + 8 * v);
+                lo[v] = to_f(b & (uint8_t)15);
+                hi[v] = to_f(b >> (uint8_t)4);
+            }
+            for (int g = 0; g < NG; g++) {
+                const v8 wl = splat(qs[(g0 + g) * cs + 2 * r]), wh = splat(qs[(g0 + g) * cs + 2 * r + 1]);
+                for (int v = 0; v < NV; v++) acc[g][v] += wl * lo[v] + wh * hi[v];
+            }
+        }
+    }
+    const int64_t lo_t = s0 > s ? s0 - s : 0, hi_t = s1 - s < 8 * NV ? s1 - s : 8 * NV;
+    for (int g = 0; g < NG; g++) {
+        float buf[8 * NV];
+        memcpy(buf, acc[g], sizeof buf);
+        float *o = out + (g0 + g) * a->o_g + s - a->phase;
+        for (int64_t i = lo_t; i < hi_t; i++) o[i] = buf[i];
+    }
+}
+
+template <int NV, int PB>
+static void k_piece_vec(const KArgs *a, const float *q, const uint8_t *codes, const uint16_t *sc,
+                        const uint16_t *mn, int64_t s0, int64_t s1, float *qs, float *qm, int64_t cs, float *out) {
+    const int64_t W = 8 * NV, G = a->G;
+    int64_t cur = -1;
+    for (int64_t s = s0 - s0 % W; s < s1; s += W) {
+        const int64_t grp = s / a->k_group;
+        if (grp != cur) {
+            k_params(a, q, sc, mn, grp, cs, qs, qm);
+            cur = grp;
+        }
+        int64_t g0 = 0;
+        for (; g0 + GB <= G; g0 += GB) k_chunk<NV, PB, GB>(a, codes, qs, qm, cs, s, s0, s1, g0, out);
+        switch (G - g0) {
+            case 1: k_chunk<NV, PB, 1>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
+            case 2: k_chunk<NV, PB, 2>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
+            case 3: k_chunk<NV, PB, 3>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
+            default: break;
+        }
+    }
+}
+
+// K groups smaller than 8 slots: one slot at a time.
+static void k_piece_scalar(const KArgs *a, const float *q, const uint8_t *codes, const uint16_t *sc,
+                           const uint16_t *mn, int64_t s0, int64_t s1, float *qs, float *qm, int64_t cs, float *out) {
+    int64_t cur = -1;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t grp = s / a->k_group;
+        if (grp != cur) {
+            k_params(a, q, sc, mn, grp, cs, qs, qm);
+            cur = grp;
+        }
+        for (int64_t g = 0; g < a->G; g++) {
+            float acc = qm[g];
+            for (int64_t c = 0; c < a->C; c++) {
+                const uint8_t byte = codes[(a->per_byte == 1 ? c : c / 2) * a->c_r + s];
+                const int code = a->per_byte == 1 ? byte : (c % 2 ? byte >> 4 : byte & 15);
+                acc += qs[g * cs + c] * (float)code;
+            }
+            out[g * a->o_g + s - a->phase] = acc;
+        }
+    }
+}
+
+extern "C" int leank_quant_k_scores(const KArgs *a) {
+    if (a->B < 0 || a->H < 0 || a->G < 1 || a->C < 1 || a->n < 0 || a->phase < 0 || a->k_group < 1 ||
+        (a->per_byte != 1 && a->per_byte != 2) || a->split < 32 || a->split % 32)
+        return 2;
+    const int64_t first = a->phase / a->split, last = (a->phase + a->n + a->split - 1) / a->split;
+    const int64_t per_head = last - first, pieces = a->B * a->H * per_head;
+    const int64_t cs = a->C + (a->C % 2);  // qs row: even, the padding channel's weight 0 (int4's empty nibble)
+    int err = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(a->threads) if (a->threads > 1 && pieces > 1)
+    for (int64_t i = 0; i < pieces; i++) {
+        const int64_t bh = i / per_head, j = first + i % per_head, b = bh / a->H, h = bh % a->H;
+        const int64_t s0 = j * a->split > a->phase ? j * a->split : a->phase;
+        const int64_t end = (j + 1) * a->split, s1 = end < a->phase + a->n ? end : a->phase + a->n;
+        float *qs = (float *)calloc((size_t)(a->G * cs + a->G), sizeof(float));
+        if (!qs) {
+#pragma omp atomic write
+            err = 1;
+            continue;
+        }
+        float *qm = qs + a->G * cs;
+        const float *q = a->q + b * a->q_b + h * a->q_h;
+        const uint8_t *codes = a->codes + b * a->c_b + h * a->c_h;
+        const uint16_t *sc = a->scale + b * a->p_b + h * a->p_h, *mn = a->minimum + b * a->p_b + h * a->p_h;
+        float *out = a->out + b * a->o_b + h * a->o_h;
+        const int64_t kg = a->k_group;
+        if (kg % 16 == 0)
+            (a->per_byte == 1 ? k_piece_vec<2, 1> : k_piece_vec<2, 2>)(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+        else if (kg % 8 == 0)
+            (a->per_byte == 1 ? k_piece_vec<1, 1> : k_piece_vec<1, 2>)(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+        else
+            k_piece_scalar(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+        free(qs);
+    }
+    return err;
+}
+
+// ---- V ---------------------------------------------------------------------------------------------
+// sum_t p[t] * (code[t, d] * scale[t] + min[t]) = sum_t (p[t] * scale[t]) * code[t, d] + sum_t p[t] * min[t]:
+// per piece of tokens, acc[g, .] (int4: even channels, then odd ones) and the minima's sum msum[g].
+template <int PB, int NG>
+static inline void v_block(const VArgs *a, const uint8_t *codes, const float *w, int64_t t0, int64_t tn,
+                           int64_t col, int64_t g0, float *acc) {
+    const int64_t Dv = a->Dv, half = Dv / 2;
+    v8 r[NG][2];
+    for (int g = 0; g < NG; g++) {
+        float *row = acc + (g0 + g) * Dv;
+        r[g][0] = loadf(row + col);
+        r[g][1] = loadf(row + (PB == 1 ? col + 8 : half + col));
+    }
+    for (int64_t t = 0; t < tn; t++) {
+        const uint8_t *c = codes + (t0 + t) * a->c_t + col;
+        v8 x0, x1;
+        if (PB == 1) {
+            x0 = to_f(load8(c));
+            x1 = to_f(load8(c + 8));
+        } else {
+            const v8b b = load8(c);
+            x0 = to_f(b & (uint8_t)15);
+            x1 = to_f(b >> (uint8_t)4);
+        }
+        for (int g = 0; g < NG; g++) {
+            const v8 ww = splat(w[(g0 + g) * TT + t]);
+            r[g][0] += ww * x0;
+            r[g][1] += ww * x1;
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        float *row = acc + (g0 + g) * Dv;
+        storef(row + col, r[g][0]);
+        storef(row + (PB == 1 ? col + 8 : half + col), r[g][1]);
+    }
+}
+
+template <int PB>
+static void v_piece(const VArgs *a, const float *p, const uint8_t *codes, const uint16_t *sc, const uint16_t *mn,
+                    int64_t ta, int64_t tb, float *acc, float *msum, float *w) {
+    const int64_t G = a->G, Dv = a->Dv, bytes = PB == 1 ? Dv : Dv / 2, step = PB == 1 ? 16 : 8;
+    for (int64_t t0 = ta; t0 < tb; t0 += TT) {
+        const int64_t tn = tb - t0 < TT ? tb - t0 : TT;
+        for (int64_t t = 0; t < tn; t++) {
+            const float s = f16_f(sc[(t0 + t) * a->s_t]), m = f16_f(mn[(t0 + t) * a->s_t]);
+            for (int64_t g = 0; g < G; g++) {
+                const float x = p[g * a->p_g + t0 + t];
+                w[g * TT + t] = x * s;
+                msum[g] += x * m;
+            }
+        }
+        int64_t col = 0;
+        for (; col + step <= bytes; col += step) {
+            int64_t g0 = 0;
+            for (; g0 + GB <= G; g0 += GB) v_block<PB, GB>(a, codes, w, t0, tn, col, g0, acc);
+            switch (G - g0) {
+                case 1: v_block<PB, 1>(a, codes, w, t0, tn, col, g0, acc); break;
+                case 2: v_block<PB, 2>(a, codes, w, t0, tn, col, g0, acc); break;
+                case 3: v_block<PB, 3>(a, codes, w, t0, tn, col, g0, acc); break;
+                default: break;
+            }
+        }
+        for (; col < bytes; col++)  // the bytes past the last whole vector
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < tn; t++) {
+                    const uint8_t c = codes[(t0 + t) * a->c_t + col];
+                    const float ww = w[g * TT + t];
+                    if (PB == 1) {
+                        acc[g * Dv + col] += ww * (float)c;
+                    } else {
+                        acc[g * Dv + col] += ww * (float)(c & 15);
+                        acc[g * Dv + Dv / 2 + col] += ww * (float)(c >> 4);
+                    }
+                }
+    }
+}
+
+extern "C" int leank_quant_v_add(const VArgs *a) {
+    if (a->B < 0 || a->Hkv < 0 || a->G < 1 || a->Dv < 1 || a->n < 0 || (a->per_byte != 1 && a->per_byte != 2) ||
+        (a->per_byte == 2 && a->Dv % 2) || a->split < 1)
+        return 2;
+    const int64_t per_head = (a->n + a->split - 1) / a->split, pieces = a->B * a->Hkv * per_head;
+    const int64_t G = a->G, Dv = a->Dv, stride = G * Dv + G;  // a piece's partial: acc [G, Dv], msum [G]
+    if (pieces == 0) return 0;
+    float *part = (float *)calloc((size_t)(pieces * stride), sizeof(float));
+    if (!part) return 1;
+    int err = 0;
+#pragma omp parallel num_threads(a->threads) if (a->threads > 1 && pieces > 1)
+    {
+        float *w = (float *)malloc((size_t)(G * TT) * sizeof(float));
+        if (!w) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < pieces; i++) {
+            const int64_t bh = i / per_head, j = i % per_head, b = bh / a->Hkv, h = bh % a->Hkv;
+            const int64_t vi = a->v_row[h];
+            if (vi < 0 || !w) continue;
+            const int64_t ta = j * a->split, tb = ta + a->split < a->n ? ta + a->split : a->n;
+            float *acc = part + i * stride;
+            const float *p = a->p + b * a->p_b + h * a->p_h;
+            const uint8_t *codes = a->codes + b * a->c_b + vi * a->c_h;
+            const uint16_t *sc = a->scale + b * a->s_b + vi * a->s_h, *mn = a->minimum + b * a->s_b + vi * a->s_h;
+            (a->per_byte == 1 ? v_piece<1> : v_piece<2>)(a, p, codes, sc, mn, ta, tb, acc, acc + G * Dv, w);
+        }
+        free(w);
+        // the pieces of each (row, head) summed in their order: the same bits at any thread count
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < a->B * a->Hkv; bh++) {
+            const int64_t b = bh / a->Hkv, h = bh % a->Hkv;
+            if (a->v_row[h] < 0 || err) continue;
+            const float *first = part + bh * per_head * stride;
+            for (int64_t g = 0; g < G; g++) {
+                float m = 0.f;
+                for (int64_t j = 0; j < per_head; j++) m += first[j * stride + G * Dv + g];
+                float *o = a->out + b * a->o_b + h * a->o_h + g * a->o_g;
+                for (int64_t d = 0; d < Dv; d++) {
+                    const int64_t src = a->per_byte == 1 ? d : (d % 2 ? Dv / 2 + d / 2 : d / 2);
+                    float s = 0.f;
+                    for (int64_t j = 0; j < per_head; j++) s += first[j * stride + g * Dv + src];
+                    o[d] += s + m;
+                }
+            }
+        }
+    }
+    free(part);
+    return err;
+}
