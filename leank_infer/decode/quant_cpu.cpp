@@ -4,10 +4,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint8_t v8b __attribute__((vector_size(8)));
 
 #define GB 4   // query heads whose accumulators stay in registers at once
 #define TT 64  // V: tokens whose weights are computed before their codes are read
@@ -53,12 +55,25 @@ static inline float f16_f(uint16_t h) {
     return f;
 }
 
-static inline v8b load8(const uint8_t *p) {
-    v8b r;
-    memcpy(&r, p, 8);
-    return r;
+// 8 codes from p as floats: bytes (int8), or the low and the high nibbles (int4). GCC scalarises a generic
+// uint8 -> int32 vector conversion, so with AVX2 the zero-extension is spelled out.
+#if defined(__AVX2__)
+static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline v8 bytes8(const uint8_t *p) { return (v8)_mm256_cvtepi32_ps(widen8(p)); }
+static inline void nibbles8(const uint8_t *p, v8 *lo, v8 *hi) {
+    const __m256i x = widen8(p);
+    *lo = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+    *hi = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
 }
-static inline v8 to_f(v8b b) { return __builtin_convertvector(__builtin_convertvector(b, v8i), v8); }
+#else
+static inline v8i widen8(const uint8_t *p) { return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+static inline v8 bytes8(const uint8_t *p) { return __builtin_convertvector(widen8(p), v8); }
+static inline void nibbles8(const uint8_t *p, v8 *lo, v8 *hi) {
+    const v8i x = widen8(p);
+    *lo = __builtin_convertvector(x & 15, v8);
+    *hi = __builtin_convertvector(x >> 4, v8);
+}
+#endif
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline v8 loadf(const float *p) {
     v8 r;
@@ -97,18 +112,14 @@ static inline void k_chunk(const KArgs *a, const uint8_t *codes, const float *qs
         const uint8_t *row = codes + r * a->c_r + s;
         if (PB == 1) {
             v8 x[NV];
-            for (int v = 0; v < NV; v++) x[v] = to_f(load8(row + 8 * v));
+            for (int v = 0; v < NV; v++) x[v] = bytes8(row + 8 * v);
             for (int g = 0; g < NG; g++) {
                 const v8 w = splat(qs[(g0 + g) * cs + r]);
                 for (int v = 0; v < NV; v++) acc[g][v] += w * x[v];
             }
         } else {  // channel 2r in the low nibble, 2r + 1 in the high one (qs is 0 past the last channel)
             v8 lo[NV], hi[NV];
-            for (int v = 0; v < NV; v++) {
-                const v8b b = load8(row + 8 * v);
-                lo[v] = to_f(b & (uint8_t)15);
-                hi[v] = to_f(b >> (uint8_t)4);
-            }
+            for (int v = 0; v < NV; v++) nibbles8(row + 8 * v, &lo[v], &hi[v]);
             for (int g = 0; g < NG; g++) {
                 const v8 wl = splat(qs[(g0 + g) * cs + 2 * r]), wh = splat(qs[(g0 + g) * cs + 2 * r + 1]);
                 for (int v = 0; v < NV; v++) acc[g][v] += wl * lo[v] + wh * hi[v];
@@ -221,12 +232,10 @@ static inline void v_block(const VArgs *a, const uint8_t *codes, const float *w,
         const uint8_t *c = codes + (t0 + t) * a->c_t + col;
         v8 x0, x1;
         if (PB == 1) {
-            x0 = to_f(load8(c));
-            x1 = to_f(load8(c + 8));
+            x0 = bytes8(c);
+            x1 = bytes8(c + 8);
         } else {
-            const v8b b = load8(c);
-            x0 = to_f(b & (uint8_t)15);
-            x1 = to_f(b >> (uint8_t)4);
+            nibbles8(c, &x0, &x1);
         }
         for (int g = 0; g < NG; g++) {
             const v8 ww = splat(w[(g0 + g) * TT + t]);
