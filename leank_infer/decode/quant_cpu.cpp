@@ -4,7 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -13,6 +13,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 #define GB 4   // query heads whose accumulators stay in registers at once
 #define TT 64  // V: tokens whose weights are computed before their codes are read
+#define K_AHEAD 512  // K: bytes ahead of the chunk fetched in every channel's row
 
 struct KArgs {  // mirrored by _KArgs in quant_cpu.py: keep the order
     int64_t B, H, G, C, n, phase, k_group, per_byte;  // H heads of C kept channels, G query heads each
@@ -42,8 +43,11 @@ struct VArgs {  // mirrored by _VArgs in quant_cpu.py
     int64_t threads, split;  // split: tokens per piece of work
 };
 
-// IEEE half to float (normals, subnormals, inf, NaN) with integer ops only: any x86-64 or ARM build.
+// IEEE half to float (normals, subnormals, inf, NaN): one instruction with F16C, else integer ops only.
 static inline float f16_f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     uint32_t em = h & 0x7fffu, u = em << 13;
     float f;
     memcpy(&f, &u, 4);
@@ -53,6 +57,7 @@ static inline float f16_f(uint16_t h) {
     u |= (uint32_t)(h & 0x8000u) << 16;
     memcpy(&f, &u, 4);
     return f;
+#endif
 }
 
 // 8 codes from p as floats: bytes (int8), or the low and the high nibbles (int4). GCC scalarises a generic
@@ -84,44 +89,64 @@ static inline void storef(float *p, v8 x) { memcpy(p, &x, 32); }
 
 // ---- K scores ----------------------------------------------------------------------------------------
 // s[t] = scaling * (sum_c q[c] * scale[c, j] * code[c, t] + sum_c q[c] * min[c, j]), j the K group of slot
-// phase + t: the query times the group's scales (qs) and the minima's part (qm) are computed once per group.
-static void k_params(const KArgs *a, const float *q, const uint16_t *sc, const uint16_t *mn, int64_t grp,
-                     int64_t cs, float *qs, float *qm) {
+// phase + t. The query times the scales (qs) and the minima's part (qm) of all the K groups of a piece are
+// computed first, vectorised over the groups (contiguous in the parameters): done group by group in the token
+// loop, they cost more than the codes themselves.
+// qs[(c * G + g) * ng + j], channel c (C..cs-1: zero weights, int4's empty nibble); qm[g * ng + j]; j from j0.
+static void k_params(const KArgs *a, const float *q, const uint16_t *sc, const uint16_t *mn, int64_t j0,
+                     int64_t ng, float *qs, float *qm) {
     const int64_t C = a->C, G = a->G;
     const float scaling = (float)a->scaling;
-    for (int64_t g = 0; g < G; g++) qm[g] = 0.f;
+    for (int64_t i = 0; i < G * ng; i++) qm[i] = 0.f;
     for (int64_t c = 0; c < C; c++) {
-        const float s = f16_f(sc[c * a->p_c + grp]), m = f16_f(mn[c * a->p_c + grp]);
+        const uint16_t *s = sc + c * a->p_c + j0, *m = mn + c * a->p_c + j0;
         for (int64_t g = 0; g < G; g++) {
             const float x = scaling * q[g * C + c];
-            qs[g * cs + c] = x * s;
-            qm[g] += x * m;
+            float *qs_row = qs + (c * G + g) * ng, *qm_row = qm + g * ng;
+            int64_t j = 0;
+#if defined(__F16C__)
+            const v8 xv = splat(x);
+            for (; j + 8 <= ng; j += 8) {
+                const v8 sv = (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j)));
+                const v8 mv = (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + j)));
+                storef(qs_row + j, xv * sv);
+                storef(qm_row + j, loadf(qm_row + j) + xv * mv);
+            }
+#endif
+            for (; j < ng; j++) {
+                qs_row[j] = x * f16_f(s[j]);
+                qm_row[j] += x * f16_f(m[j]);
+            }
         }
     }
 }
 
-// One chunk of 8 * NV slots from slot s (a multiple of 8 * NV, inside one K group), query heads [g0, g0 + NG).
+// One chunk of 8 * NV slots from slot s (a multiple of 8 * NV, inside K group j of the piece's parameters),
+// query heads [g0, g0 + NG).
 template <int NV, int PB, int NG>
-static inline void k_chunk(const KArgs *a, const uint8_t *codes, const float *qs, const float *qm, int64_t cs,
-                           int64_t s, int64_t s0, int64_t s1, int64_t g0, float *out) {
+static inline void k_chunk(const KArgs *a, const uint8_t *codes, const float *qs, const float *qm, int64_t ng,
+                           int64_t j, int64_t s, int64_t s0, int64_t s1, int64_t g0, float *out) {
+    const int64_t G = a->G;
     v8 acc[NG][NV];
     for (int g = 0; g < NG; g++)
-        for (int v = 0; v < NV; v++) acc[g][v] = splat(qm[g0 + g]);
+        for (int v = 0; v < NV; v++) acc[g][v] = splat(qm[(g0 + g) * ng + j]);
     const int64_t rows = PB == 1 ? a->C : (a->C + 1) / 2;
+    const float *w = qs + g0 * ng + j;  // channel c, head g0 + g: w[(c * G + g) * ng]
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = codes + r * a->c_r + s;
+        __builtin_prefetch(row + K_AHEAD);  // one stream per channel: more than the hardware prefetcher follows
         if (PB == 1) {
             v8 x[NV];
             for (int v = 0; v < NV; v++) x[v] = bytes8(row + 8 * v);
             for (int g = 0; g < NG; g++) {
-                const v8 w = splat(qs[(g0 + g) * cs + r]);
-                for (int v = 0; v < NV; v++) acc[g][v] += w * x[v];
+                const v8 wv = splat(w[(r * G + g) * ng]);
+                for (int v = 0; v < NV; v++) acc[g][v] += wv * x[v];
             }
-        } else {  // channel 2r in the low nibble, 2r + 1 in the high one (qs is 0 past the last channel)
+        } else {  // channel 2r in the low nibble, 2r + 1 in the high one (weight 0 past the last channel)
             v8 lo[NV], hi[NV];
             for (int v = 0; v < NV; v++) nibbles8(row + 8 * v, &lo[v], &hi[v]);
             for (int g = 0; g < NG; g++) {
-                const v8 wl = splat(qs[(g0 + g) * cs + 2 * r]), wh = splat(qs[(g0 + g) * cs + 2 * r + 1]);
+                const v8 wl = splat(w[(2 * r * G + g) * ng]), wh = splat(w[((2 * r + 1) * G + g) * ng]);
                 for (int v = 0; v < NV; v++) acc[g][v] += wl * lo[v] + wh * hi[v];
             }
         }
@@ -136,43 +161,39 @@ static inline void k_chunk(const KArgs *a, const uint8_t *codes, const float *qs
 }
 
 template <int NV, int PB>
-static void k_piece_vec(const KArgs *a, const float *q, const uint8_t *codes, const uint16_t *sc,
-                        const uint16_t *mn, int64_t s0, int64_t s1, float *qs, float *qm, int64_t cs, float *out) {
+static void k_piece_vec(const KArgs *a, const uint8_t *codes, int64_t s0, int64_t s1, const float *qs,
+                        const float *qm, int64_t j0, int64_t ng, float *out) {
     const int64_t W = 8 * NV, G = a->G;
-    int64_t cur = -1;
+    const int B = NV >= 4 ? 3 : GB;  // query heads per pass: their accumulators and the codes stay in registers
     for (int64_t s = s0 - s0 % W; s < s1; s += W) {
-        const int64_t grp = s / a->k_group;
-        if (grp != cur) {
-            k_params(a, q, sc, mn, grp, cs, qs, qm);
-            cur = grp;
-        }
+        const int64_t j = s / a->k_group - j0;
         int64_t g0 = 0;
-        for (; g0 + GB <= G; g0 += GB) k_chunk<NV, PB, GB>(a, codes, qs, qm, cs, s, s0, s1, g0, out);
+        for (; g0 + B <= G; g0 += B) {
+            if (B == 3)
+                k_chunk<NV, PB, 3>(a, codes, qs, qm, ng, j, s, s0, s1, g0, out);
+            else
+                k_chunk<NV, PB, GB>(a, codes, qs, qm, ng, j, s, s0, s1, g0, out);
+        }
         switch (G - g0) {
-            case 1: k_chunk<NV, PB, 1>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
-            case 2: k_chunk<NV, PB, 2>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
-            case 3: k_chunk<NV, PB, 3>(a, codes, qs, qm, cs, s, s0, s1, g0, out); break;
+            case 1: k_chunk<NV, PB, 1>(a, codes, qs, qm, ng, j, s, s0, s1, g0, out); break;
+            case 2: k_chunk<NV, PB, 2>(a, codes, qs, qm, ng, j, s, s0, s1, g0, out); break;
+            case 3: k_chunk<NV, PB, 3>(a, codes, qs, qm, ng, j, s, s0, s1, g0, out); break;
             default: break;
         }
     }
 }
 
 // K groups smaller than 8 slots: one slot at a time.
-static void k_piece_scalar(const KArgs *a, const float *q, const uint8_t *codes, const uint16_t *sc,
-                           const uint16_t *mn, int64_t s0, int64_t s1, float *qs, float *qm, int64_t cs, float *out) {
-    int64_t cur = -1;
+static void k_piece_scalar(const KArgs *a, const uint8_t *codes, int64_t s0, int64_t s1, const float *qs,
+                           const float *qm, int64_t j0, int64_t ng, float *out) {
     for (int64_t s = s0; s < s1; s++) {
-        const int64_t grp = s / a->k_group;
-        if (grp != cur) {
-            k_params(a, q, sc, mn, grp, cs, qs, qm);
-            cur = grp;
-        }
+        const int64_t j = s / a->k_group - j0;
         for (int64_t g = 0; g < a->G; g++) {
-            float acc = qm[g];
+            float acc = qm[g * ng + j];
             for (int64_t c = 0; c < a->C; c++) {
                 const uint8_t byte = codes[(a->per_byte == 1 ? c : c / 2) * a->c_r + s];
                 const int code = a->per_byte == 1 ? byte : (c % 2 ? byte >> 4 : byte & 15);
-                acc += qs[g * cs + c] * (float)code;
+                acc += qs[(c * a->G + g) * ng + j] * (float)code;
             }
             out[g * a->o_g + s - a->phase] = acc;
         }
@@ -185,31 +206,35 @@ extern "C" int leank_quant_k_scores(const KArgs *a) {
         return 2;
     const int64_t first = a->phase / a->split, last = (a->phase + a->n + a->split - 1) / a->split;
     const int64_t per_head = last - first, pieces = a->B * a->H * per_head;
-    const int64_t cs = a->C + (a->C % 2);  // qs row: even, the padding channel's weight 0 (int4's empty nibble)
+    const int64_t cs = a->C + (a->C % 2);  // channels of qs: even, the padding one's weights 0
     int err = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(a->threads) if (a->threads > 1 && pieces > 1)
     for (int64_t i = 0; i < pieces; i++) {
-        const int64_t bh = i / per_head, j = first + i % per_head, b = bh / a->H, h = bh % a->H;
-        const int64_t s0 = j * a->split > a->phase ? j * a->split : a->phase;
-        const int64_t end = (j + 1) * a->split, s1 = end < a->phase + a->n ? end : a->phase + a->n;
-        float *qs = (float *)calloc((size_t)(a->G * cs + a->G), sizeof(float));
+        const int64_t bh = i / per_head, p = first + i % per_head, b = bh / a->H, h = bh % a->H;
+        const int64_t s0 = p * a->split > a->phase ? p * a->split : a->phase;
+        const int64_t end = (p + 1) * a->split, s1 = end < a->phase + a->n ? end : a->phase + a->n;
+        const int64_t j0 = s0 / a->k_group, ng = (s1 - 1) / a->k_group - j0 + 1;  // the piece's K groups
+        float *qs = (float *)calloc((size_t)((cs + 1) * a->G * ng), sizeof(float));
         if (!qs) {
 #pragma omp atomic write
             err = 1;
             continue;
         }
-        float *qm = qs + a->G * cs;
+        float *qm = qs + cs * a->G * ng;
         const float *q = a->q + b * a->q_b + h * a->q_h;
         const uint8_t *codes = a->codes + b * a->c_b + h * a->c_h;
         const uint16_t *sc = a->scale + b * a->p_b + h * a->p_h, *mn = a->minimum + b * a->p_b + h * a->p_h;
         float *out = a->out + b * a->o_b + h * a->o_h;
+        k_params(a, q, sc, mn, j0, ng, qs, qm);
         const int64_t kg = a->k_group;
-        if (kg % 16 == 0)
-            (a->per_byte == 1 ? k_piece_vec<2, 1> : k_piece_vec<2, 2>)(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+        if (kg % 32 == 0)
+            (a->per_byte == 1 ? k_piece_vec<4, 1> : k_piece_vec<4, 2>)(a, codes, s0, s1, qs, qm, j0, ng, out);
+        else if (kg % 16 == 0)
+            (a->per_byte == 1 ? k_piece_vec<2, 1> : k_piece_vec<2, 2>)(a, codes, s0, s1, qs, qm, j0, ng, out);
         else if (kg % 8 == 0)
-            (a->per_byte == 1 ? k_piece_vec<1, 1> : k_piece_vec<1, 2>)(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+            (a->per_byte == 1 ? k_piece_vec<1, 1> : k_piece_vec<1, 2>)(a, codes, s0, s1, qs, qm, j0, ng, out);
         else
-            k_piece_scalar(a, q, codes, sc, mn, s0, s1, qs, qm, cs, out);
+            k_piece_scalar(a, codes, s0, s1, qs, qm, j0, ng, out);
         free(qs);
     }
     return err;
@@ -256,13 +281,27 @@ static void v_piece(const VArgs *a, const float *p, const uint8_t *codes, const 
     const int64_t G = a->G, Dv = a->Dv, bytes = PB == 1 ? Dv : Dv / 2, step = PB == 1 ? 16 : 8;
     for (int64_t t0 = ta; t0 < tb; t0 += TT) {
         const int64_t tn = tb - t0 < TT ? tb - t0 : TT;
+        float sf[TT], mf[TT];
         for (int64_t t = 0; t < tn; t++) {
-            const float s = f16_f(sc[(t0 + t) * a->s_t]), m = f16_f(mn[(t0 + t) * a->s_t]);
-            for (int64_t g = 0; g < G; g++) {
-                const float x = p[g * a->p_g + t0 + t];
-                w[g * TT + t] = x * s;
-                msum[g] += x * m;
+            sf[t] = f16_f(sc[(t0 + t) * a->s_t]);
+            mf[t] = f16_f(mn[(t0 + t) * a->s_t]);
+        }
+        for (int64_t g = 0; g < G; g++) {  // the weights times the scales; the minima's part in 8 lanes
+            const float *pg = p + g * a->p_g + t0;
+            float *wg = w + g * TT;
+            v8 ms = splat(0.f);
+            int64_t t = 0;
+            for (; t + 8 <= tn; t += 8) {
+                const v8 x = loadf(pg + t);
+                storef(wg + t, x * loadf(sf + t));
+                ms += x * loadf(mf + t);
             }
+            float m = ((ms[0] + ms[1]) + (ms[2] + ms[3])) + ((ms[4] + ms[5]) + (ms[6] + ms[7]));
+            for (; t < tn; t++) {
+                wg[t] = pg[t] * sf[t];
+                m += pg[t] * mf[t];
+            }
+            msum[g] += m;
         }
         int64_t col = 0;
         for (; col + step <= bytes; col += step) {
