@@ -400,6 +400,53 @@ def test_without_a_compiler_the_quantised_decode_falls_back_once_logged(monkeypa
     assert _rel_err(got, ref) < 2e-6
 
 
+KERNEL_ASAN_SCRIPT = r"""
+import ctypes, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kv_quant import KERNEL_CASES, KD, _kernel_layer, _query, _rel_err
+from leank_infer.decode import quant_cpu
+from leank_infer.decode.layout import DecodeMasks
+from leank_infer.decode.torch_decode import torch_decode_attention
+quant_cpu.LIBRARY.use(ctypes.CDLL(sys.argv[2]))
+torch.set_num_threads(2)
+for case in KERNEL_CASES:
+    layer = _kernel_layer(case, batch=2, prompt=290)
+    q = _query(case, layer)
+    got = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    os.environ[quant_cpu.ENV_SWITCH] = "0"
+    ref = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    os.environ[quant_cpu.ENV_SWITCH] = "1"
+    assert _rel_err(got, ref) < 2e-6, case
+print("asan ok")
+"""
+
+
+def test_the_cpu_kernel_reads_only_inside_its_buffers_under_address_sanitizer(tmp_path):
+    """The kernel built with -fsanitize=address, over every case (whole K groups read around the middle's ends, in
+    the last row of the last head of a batch, where the storage ends): an overrun aborts the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from leank_infer.decode import quant_cpu
+
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not libasan or not Path(libasan).exists():
+        pytest.skip("no AddressSanitizer runtime for g++ here")
+    flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-fopenmp"]
+    lib = quant_cpu.LIBRARY.build(["-march=native", *flags], tmp_path)  # the vector loads of the shipped build
+    env = {
+        **os.environ,
+        "LD_PRELOAD": os.path.realpath(libasan),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=97",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    r = subprocess.run([sys.executable, "-c", KERNEL_ASAN_SCRIPT, str(Path(__file__).parent), str(lib)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "asan ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
 # ---- the evaluation's methods ----------------------------------------------------------------------------
 def test_quantised_methods_decode_with_their_own_cache(tmp_path):
     """LeanK + kv_quant, random channels + kv_quant and transformers' QuantizedCache (quanto) answer a shared-prefill

@@ -204,6 +204,7 @@ extern "C" int leank_quant_k_scores(const KArgs *a) {
     if (a->B < 0 || a->H < 0 || a->G < 1 || a->C < 1 || a->n < 0 || a->phase < 0 || a->k_group < 1 ||
         (a->per_byte != 1 && a->per_byte != 2) || a->split < 32 || a->split % 32)
         return 2;
+    if (a->n == 0) return 0;
     const int64_t first = a->phase / a->split, last = (a->phase + a->n + a->split - 1) / a->split;
     const int64_t per_head = last - first, pieces = a->B * a->H * per_head;
     const int64_t cs = a->C + (a->C % 2);  // channels of qs: even, the padding one's weights 0
