@@ -4,16 +4,20 @@
 full-precision part and its softmax in PyTorch; what reads the middle's codes is here:
 
 - :func:`k_scores`: a head group's middle scores, ``scaling * (sum_c (q_c * scale_cj) * code_ct + sum_c q_c * min_cj)``
-  for middle token ``t`` of K group ``j``: the query times the group's scales once per group, then the codes
-  (channel-major, tokens along memory) streamed channel after channel into 8-wide fp32 accumulators of up to
-  four query heads at once, each code converted once for all the query heads of its KV head;
+  for middle token ``t`` of K group ``j``: the query times the scales (and the minima's part) of every K group of
+  a piece first, then the codes (channel-major, tokens along memory) streamed channel after channel, 32 tokens at
+  a time, into fp32 accumulators of three query heads at once, each code converted once for all of them;
 - :func:`v_add`: ``out += sum_t p_t * (code_t * scale_t + min_t)`` per KV head (one V scale per token and head),
   the weight times the token's scale computed for a tile of tokens, then the tile's code rows streamed.
 
 Why: the PyTorch path converts every code to fp32 before its matrix products, a pass that writes four bytes
-per code; at 8k tokens that made an int8 (int4) middle 1.5x (1.9x) slower than an fp32 one (docs/speed.md,
-"Decode speed on CPU"), though it holds a quarter (an eighth) of the bytes. Here the codes are read once, as
-bytes, by the products themselves.
+per code, which made a quantised middle slower than an fp32 one though it holds a quarter (an eighth) of the
+bytes. Here the codes are read once, as bytes, by the products themselves: at 8k tokens the int8 (int4) step is
+as fast as (13 % faster than) the fp32 one (docs/speed.md, "Decode speed on CPU"; benchmarks/decode_quant.py).
+Three things made the difference, each measured: zero-extending the codes with AVX2 (GCC scalarises a generic
+uint8 vector conversion), computing a piece's K parameters before its tokens, vectorised over the K groups
+(group by group they cost more than the codes), and a prefetch in every channel's row (more streams than the
+hardware prefetcher follows).
 
 The work is cut into pieces of :data:`SPLIT` middle tokens per (batch row, KV head), run on torch's thread count
 (OpenMP); a V piece sums into a partial of its own and the partials of a head are added in piece order, so the
