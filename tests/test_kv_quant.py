@@ -380,6 +380,26 @@ def test_the_cpu_kernel_gives_the_same_bits_at_any_thread_count(case, monkeypatc
     assert zero and bool((outs[0][0][:, zero] == 1).all()), "a head without a middle was written"
 
 
+def test_a_left_padded_batch_takes_the_general_path_not_the_kernel(monkeypatch):
+    """With left padding a row's head keys can be its middle keys (masks not trivial): the kernel, which reads the
+    middle alone, is not called; the step dequantises and still equals the rule over the dequantised K/V."""
+    from leank_infer.decode import quant_cpu
+
+    fmt = kq.KVQuant("int8", 8, k_group=16, v_group=D)  # one V scale per token: what the kernel reads
+    run = _Run(_keep(counts=(0, 5, 8, 3)), [25, 18])
+    run.layer = LeanKLayer(run.keep, SINK, RECENT, ACCUMU, kv_quant=fmt)
+    monkeypatch.setattr(quant_cpu, "k_scores", lambda *a: pytest.fail("the kernel was called"))
+    run.step(25)
+    for _ in range(12):
+        out, _ = run.step(1)
+    assert run.layer.padded and run.layer.mid_len > 0
+    full_k, full_v = run.k, run.v
+    run.k, run.v = _with_dequantised_middle(run)
+    ref = run.reference()
+    run.k, run.v = full_k, full_v
+    assert _rel_err(out, ref) < 1e-5
+
+
 def test_without_a_compiler_the_quantised_decode_falls_back_once_logged(monkeypatch, tmp_path, caplog):
     """No compiler (CXX=false): the kernel is off with one warning, and the decode is the PyTorch path's."""
     from leank_infer.decode import quant_cpu
