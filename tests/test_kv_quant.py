@@ -285,6 +285,188 @@ def test_spare_capacity_is_never_read_and_its_parameters_are_checked_too():
         layer.layout()
 
 
+# ---- the CPU kernel of the quantised middle (leank_infer.decode.quant_cpu) ---------------------------------
+KERNEL_CASES = {  # (format, kept counts per KV head, query heads per KV head)
+    "int8-k32": (kq.KVQuant("int8", 8, k_group=32), (0, 5, 8, 3), 5),
+    "int4-k32": (kq.KVQuant("int4", 4, k_group=32), (0, 5, 8, 3), 5),  # odd counts: a half-used byte
+    "int4-k16": (kq.KVQuant("int4", 4, k_group=16), (7, 0, 1, 8), 2),
+    "int8-k8": (kq.KVQuant("int8", 8, k_group=8), (3, 3, 0, 6), 3),
+    "int4-k4": (kq.KVQuant("int4", 4, k_group=4), (5, 0, 2, 2), 3),  # groups under 8 slots: the scalar loop
+}
+KD = 40  # head_dim: whole 8-wide vectors and a tail, for int8 and int4 rows alike
+
+
+def _kernel_layer(case: str, batch: int = 2, prompt: int = 203, steps: int = 30) -> LeanKLayer:
+    """A quantised layer after a prefill (a first middle write that does not end on a K group boundary: phase != 0)
+    and ``steps`` single-token steps (K groups larger than accumu_size: open groups re-quantised)."""
+    fmt, counts, _ = KERNEL_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    keep = torch.zeros(len(counts), KD, dtype=torch.bool)
+    for h, c in enumerate(counts):
+        keep[h, torch.randperm(KD, generator=g)[:c]] = True
+    layer = LeanKLayer(keep, 4, 32, 16, kv_quant=fmt)
+    kv = lambda m: torch.randn(batch, len(counts), m, KD, generator=g) * 2 + 0.5  # noqa: E731
+    layer.update(kv(prompt), kv(prompt), kwargs={})
+    for _ in range(steps):
+        layer.update(kv(1), kv(1), kwargs={})
+    return layer
+
+
+def _query(case: str, layer: LeanKLayer) -> torch.Tensor:
+    g = KERNEL_CASES[case][2] * layer.groups.num_kv_heads
+    return torch.randn(layer._quant.batch, g, 1, KD, generator=torch.Generator().manual_seed(7)) * 3
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=list(KERNEL_CASES))
+def test_the_cpu_kernel_equals_the_pytorch_path_and_the_dequantised_reference(case, monkeypatch):
+    """The quantised fast path with the kernel = without it (LEANK_CPU_KERNEL=0) = the fast path over a middle
+    dequantised independently (_dequant_store), batch 2, a zero head, odd counts, phase != 0, an open K group."""
+    from dataclasses import replace
+
+    from leank_infer.decode import quant_cpu
+
+    assert quant_cpu.available(), "no C++ compiler: the kernel cannot be checked here"
+    layer = _kernel_layer(case)
+    st = layer._quant
+    assert st.phase != 0 and layer.mid_len > 0
+    assert st.open_tokens() > 0 or st.fmt.k_group <= 16
+    layout, q, scaling = layer.layout(), _query(case, layer), KD**-0.5
+    calls = []
+    real = quant_cpu.k_scores
+    monkeypatch.setattr(quant_cpu, "k_scores", lambda *a: calls.append(1) or real(*a))
+    got = torch_decode_attention(q, layout, DecodeMasks(), scaling)
+    assert calls, "the kernel was not used"
+    ks, vs = _dequant_store(layer)
+    ref = torch_decode_attention(q, replace(layout, mid_k=tuple(ks), mid_v=vs, quant=None), DecodeMasks(), scaling)
+    monkeypatch.setenv(quant_cpu.ENV_SWITCH, "0")
+    torch_path = torch_decode_attention(q, layout, DecodeMasks(), scaling)
+    assert len(calls) == sum(1 for c in layer.groups.counts if c)  # the switch: no further kernel call
+    assert _rel_err(got, ref) < 2e-6 and _rel_err(torch_path, ref) < 2e-6, (_rel_err(got, ref), _rel_err(torch_path, ref))
+    assert _rel_err(got, torch_path) < 2e-6
+    assert _rel_err(ref, torch_decode_attention(q, layer.layout().dequantized(), DecodeMasks(), scaling)) < 2e-6
+
+
+@pytest.mark.parametrize("case", ["int8-k32", "int4-k32", "int4-k4"])
+def test_the_cpu_kernel_gives_the_same_bits_at_any_thread_count(case, monkeypatch):
+    """Scores and V parts of one layer, at 1 and 2 threads, with pieces of 32 tokens (many per head): equal to the
+    bit; and close to one piece per head (the pieces' partial sums merge in a fixed order)."""
+    from leank_infer.decode import quant_cpu
+
+    assert quant_cpu.available()
+    layer = _kernel_layer(case, prompt=300)
+    layout, quant = layer.layout(), layer.layout().quant
+    b, n, hkv = quant.v_scale.shape[0], layout.mid_len, layer.groups.num_kv_heads
+    g = KERNEL_CASES[case][2]
+    gen = torch.Generator().manual_seed(3)
+    p = torch.rand(b, hkv, g, n + 5, generator=gen)[..., 5:]  # tokens along memory, not contiguous rows
+    outs = []
+    for split, threads in [(32, 1), (32, 2), (4096, 1)]:
+        monkeypatch.setattr(quant_cpu, "SPLIT", split)
+        torch.set_num_threads(threads)
+        out = torch.ones(b, hkv, g, KD)
+        quant_cpu.v_add(p, layout.mid_v, quant.v_scale, quant.v_min, layer.groups.v_rows(), quant.fmt, out)
+        scores = []
+        for gi, c in enumerate(layer.groups.counts):
+            s = torch.full((b, len(layer.groups.heads[gi]), g, n), float("nan"))
+            q = torch.randn(b, s.shape[1], g, c, generator=torch.Generator().manual_seed(gi))
+            quant_cpu.k_scores(q, layout.mid_k[gi], quant.k_scale[gi], quant.k_min[gi], quant.phase, quant.fmt, 0.5, s)
+            assert not s.isnan().any(), "a middle token's score was not written"
+            scores.append(s)
+        outs.append((out, *scores))
+    torch.set_num_threads(1)
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1], strict=True))
+    assert all(_rel_err(x, y) < 1e-5 for x, y in zip(outs[0], outs[2], strict=True))  # fp32 sums, another order
+    zero = [h for h in range(hkv) if not layer.groups.keep[h].any()]
+    assert zero and bool((outs[0][0][:, zero] == 1).all()), "a head without a middle was written"
+
+
+def test_a_left_padded_batch_takes_the_general_path_not_the_kernel(monkeypatch):
+    """With left padding a row's head keys can be its middle keys (masks not trivial): the kernel, which reads the
+    middle alone, is not called; the step dequantises and still equals the rule over the dequantised K/V."""
+    from leank_infer.decode import quant_cpu
+
+    fmt = kq.KVQuant("int8", 8, k_group=16, v_group=D)  # one V scale per token: what the kernel reads
+    run = _Run(_keep(counts=(0, 5, 8, 3)), [25, 18])
+    run.layer = LeanKLayer(run.keep, SINK, RECENT, ACCUMU, kv_quant=fmt)
+    monkeypatch.setattr(quant_cpu, "k_scores", lambda *a: pytest.fail("the kernel was called"))
+    run.step(25)
+    for _ in range(12):
+        out, _ = run.step(1)
+    assert run.layer.padded and run.layer.mid_len > 0
+    full_k, full_v = run.k, run.v
+    run.k, run.v = _with_dequantised_middle(run)
+    ref = run.reference()
+    run.k, run.v = full_k, full_v
+    assert _rel_err(out, ref) < 1e-5
+
+
+def test_without_a_compiler_the_quantised_decode_falls_back_once_logged(monkeypatch, tmp_path, caplog):
+    """No compiler (CXX=false): the kernel is off with one warning, and the decode is the PyTorch path's."""
+    from leank_infer.decode import quant_cpu
+
+    layer = _kernel_layer("int4-k32", steps=3)
+    q = _query("int4-k32", layer)
+    monkeypatch.setattr(quant_cpu.LIBRARY, "tried", False)
+    monkeypatch.setattr(quant_cpu.LIBRARY, "lib", None)
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path))
+    monkeypatch.setattr(quant_cpu, "k_scores", lambda *a: pytest.fail("the kernel was called"))
+    with caplog.at_level("WARNING", logger=quant_cpu.__name__):
+        got = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+        torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    assert caplog.text.count("CPU kv_quant kernel is not available") == 1
+    assert not list(tmp_path.rglob("*.so"))
+    ref = torch_decode_attention(q, layer.layout().dequantized(), DecodeMasks(), KD**-0.5)
+    assert _rel_err(got, ref) < 2e-6
+
+
+KERNEL_ASAN_SCRIPT = r"""
+import ctypes, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kv_quant import KERNEL_CASES, KD, _kernel_layer, _query, _rel_err
+from leank_infer.decode import quant_cpu
+from leank_infer.decode.layout import DecodeMasks
+from leank_infer.decode.torch_decode import torch_decode_attention
+quant_cpu.LIBRARY.use(ctypes.CDLL(sys.argv[2]))
+torch.set_num_threads(2)
+for case in KERNEL_CASES:
+    layer = _kernel_layer(case, batch=2, prompt=290)
+    q = _query(case, layer)
+    got = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    os.environ[quant_cpu.ENV_SWITCH] = "0"
+    ref = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    os.environ[quant_cpu.ENV_SWITCH] = "1"
+    assert _rel_err(got, ref) < 2e-6, case
+print("asan ok")
+"""
+
+
+def test_the_cpu_kernel_reads_only_inside_its_buffers_under_address_sanitizer(tmp_path):
+    """The kernel built with -fsanitize=address, over every case (whole K groups read around the middle's ends, in
+    the last row of the last head of a batch, where the storage ends): an overrun aborts the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from leank_infer.decode import quant_cpu
+
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not libasan or not Path(libasan).exists():
+        pytest.skip("no AddressSanitizer runtime for g++ here")
+    flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-fopenmp"]
+    lib = quant_cpu.LIBRARY.build(["-march=native", *flags], tmp_path)  # the vector loads of the shipped build
+    env = {
+        **os.environ,
+        "LD_PRELOAD": os.path.realpath(libasan),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=97",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    r = subprocess.run([sys.executable, "-c", KERNEL_ASAN_SCRIPT, str(Path(__file__).parent), str(lib)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "asan ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
 # ---- the evaluation's methods ----------------------------------------------------------------------------
 def test_quantised_methods_decode_with_their_own_cache(tmp_path):
     """LeanK + kv_quant, random channels + kv_quant and transformers' QuantizedCache (quanto) answer a shared-prefill

@@ -206,8 +206,8 @@ def test_tensors_the_kernel_does_not_cover_take_the_reference(monkeypatch, caplo
 
 
 def test_a_failed_build_is_logged_and_leaves_the_kernel_off(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_lib", None)
+    monkeypatch.setattr(cpu_decode.LIBRARY, "tried", False)
+    monkeypatch.setattr(cpu_decode.LIBRARY, "lib", None)
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("LEANK_CACHE", str(tmp_path))
     with caplog.at_level("WARNING", logger=cpu_decode.__name__):
@@ -222,10 +222,7 @@ import ctypes, sys, torch
 sys.path.insert(0, sys.argv[1])
 from vllm_pages import random_mask, random_pages, reference
 from leank_infer.vllm import cpu_decode
-lib = ctypes.CDLL(sys.argv[2])
-lib.leank_cpu_decode.restype = ctypes.c_int
-lib.leank_cpu_decode.argtypes = [ctypes.POINTER(cpu_decode._Args)]
-cpu_decode._lib, cpu_decode._tried = lib, True
+cpu_decode.LIBRARY.use(ctypes.CDLL(sys.argv[2]))
 torch.set_num_threads(2)
 for counts, sizes, heads, d, q_heads, lengths, bs, fp8 in [
     ([32, 0, 64, 7], dict(sink_size=16, recent_size=64, accumu_size=16), 3, 64, 9, [1, 9, 50, 81, 300, 1500], 16, None),

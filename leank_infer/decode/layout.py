@@ -105,6 +105,15 @@ class ChannelGroups:
             self._memo["runs"] = tuple(out)
         return self._memo["runs"]
 
+    def v_rows(self) -> torch.Tensor:
+        """``[Hkv]`` int64: each KV head's index into middle V (``nonzero_order``), -1 for a head keeping no
+        channel (memoised: the CPU kernel of a quantised middle takes it every step)."""
+        if "v_rows" not in self._memo:
+            rows = torch.full((self.num_kv_heads,), -1, dtype=torch.long)
+            rows[self.nonzero_order.cpu()] = torch.arange(len(self.nonzero_order))
+            self._memo["v_rows"] = rows
+        return self._memo["v_rows"]
+
     @property
     def num_kv_heads(self) -> int:
         return self.keep.shape[0]

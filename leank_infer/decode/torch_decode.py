@@ -14,13 +14,15 @@ Two paths compute the same thing:
   scores with the region masks, fp32 softmax statistics.
 
 A quantised middle (kv_quant, :mod:`leank_infer.decode.kv_quant`) is read by the fast path's own variant
-(:func:`_fast_quantised`: int4 nibbles as two half-width products, never unpacked), or dequantised first.
+(:func:`_fast_quantised`: the CPU kernel of :mod:`leank_infer.decode.quant_cpu` where it is built, else int4
+nibbles as two half-width PyTorch products, never unpacked), or dequantised first.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import quant_cpu
 from .layout import DecodeLayout, DecodeMasks
 from .rule import apply_softcap, gqa_view
 
@@ -106,12 +108,10 @@ def _fast(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Te
 
 
 def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -> torch.Tensor:
-    """:func:`_fast` over a quantised middle (V: one scale per token and head), each code converted once.
-
-    K scores of a group of tokens: ``q . (code * scale + min) = (q * scale) . code + q . min``: the codes times
-    their channel's scale is the only pass over them (uint8 times fp32 gives fp32), the minima's part is one
-    small product per group. V: ``sum_j p_j (code_j * s_j + m_j) = (p * s) @ codes + p @ m``: the conversion of
-    the codes is the only pass. Same values as dequantising first (up to fp32 rounding order)."""
+    """:func:`_fast` over a quantised middle (V: one scale per token and head): the products that read the codes
+    run in the CPU kernel (:mod:`~leank_infer.decode.quant_cpu`, codes read as bytes) where it is available, else
+    in PyTorch (:func:`_k_scores_torch`, :func:`_v_torch`: each code converted to fp32 once). The full-precision
+    part and the softmax are the same for both."""
     b, hq, _, d = query.shape
     groups, quant = layout.groups, layout.quant
     hkv = groups.num_kv_heads
@@ -124,52 +124,85 @@ def _fast_quantised(query: torch.Tensor, layout: DecodeLayout, scaling: float) -
     full_v = layout.full_v.reshape(b * hkv, full, dv)
     if n == 0 or not groups.counts:
         return torch.bmm(s_full.softmax(-1), full_v).view(b, 1, hq, dv)
+    kernel = quant_cpu.available() and quant_cpu.supports(
+        layout.mid_k, quant.k_scale, quant.k_min, layout.mid_v, quant.v_scale, quant.v_min
+    )
     q_sel = query.reshape(b, hq * d).index_select(1, groups.query_index(g, d))
-    kg, phase, per_byte = quant.fmt.k_group, quant.phase, quant.fmt.per_byte
-    blocks = []
+    s = torch.empty(b, hkv, g, full + n)  # [full scores | middle scores], one softmax over both
+    s[..., :full] = s_full.view(b, hkv, g, full)
+    first = 0
     for gi, hg, c, off in groups.score_plan(g):
-        if gi < 0:
-            blocks.append(_NEG_INF_T.expand(b, hg, g, n))
+        dst = s[:, first : first + hg, :, full:]
+        first += hg
+        if gi < 0:  # zero-channel heads: no middle key
+            dst.fill_(_NEG_INF)
             continue
-        qg = q_sel[:, off : off + hg * g * c].reshape(b * hg, g, c)
-        scale, mn = quant.k_scale[gi], quant.k_min[gi]  # [B, Hg, c, groups]
-        ng = scale.shape[3]
-        cm = layout.mid_k[gi].transpose(2, 3)  # [B, Hg, cp, n] codes, unit stride along the tokens
-        cm = cm.as_strided((*cm.shape[:3], ng * kg), cm.stride(), cm.storage_offset() - phase * cm.stride(3))
-        w = ng * kg  # from the first group's first slot
-        if per_byte == 1:
-            k = (cm.unflatten(3, (ng, kg)) * scale.float().unsqueeze(-1)).view(b * hg, c, w)
-            sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling)
-        else:  # int4: even channels in the low nibbles, odd ones in the high: two products, never interleaved
-            sf = scale.float().unsqueeze(-1)
-            lo, hi = cm & 15, (cm >> 4)[:, :, : c // 2]
-            k_lo = (lo.unflatten(3, (ng, kg)) * sf[:, :, 0::2]).view(b * hg, -1, w)
-            k_hi = (hi.unflatten(3, (ng, kg)) * sf[:, :, 1::2]).view(b * hg, -1, w)
-            sc = torch.baddbmm(_ZERO, qg[..., 0::2], k_lo, beta=0, alpha=scaling)
-            sc = torch.baddbmm(sc, qg[..., 1::2], k_hi, alpha=scaling)
-        sc = sc.view(b * hg, g, ng, kg)
-        sc += torch.bmm(qg, mn.float().reshape(b * hg, c, ng)).mul_(scaling).unsqueeze(-1)
-        blocks.append(sc.view(b, hg, g, ng * kg)[..., phase : phase + n])
-    s_mid = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)  # [B, Hkv, G, n]
-    p = torch.cat([s_full.view(b, hkv, g, full), s_mid], -1).softmax(-1).view(b, hkv, g, full + n)
+        qg = q_sel[:, off : off + hg * g * c].view(b, hg, g, c)
+        if kernel:
+            quant_cpu.k_scores(qg, layout.mid_k[gi], quant.k_scale[gi], quant.k_min[gi], quant.phase, quant.fmt,
+                               scaling, dst)
+        else:
+            dst.copy_(_k_scores_torch(qg, layout, gi, scaling))
+    p = s.softmax(-1)
     out = torch.bmm(p.view(b * hkv, g, full + n)[:, :, :full], full_v).view(b, hkv, g, dv)
+    if kernel:
+        quant_cpu.v_add(p[..., full:], layout.mid_v, quant.v_scale, quant.v_min, groups.v_rows(), quant.fmt, out)
+    else:
+        _v_torch(p[..., full:], layout, out)
+    return out.view(b, 1, hq, dv)
+
+
+def _k_scores_torch(qg: torch.Tensor, layout: DecodeLayout, gi: int, scaling: float) -> torch.Tensor:
+    """Head group ``gi``'s middle scores ``[B, Hg, G, n]`` for its kept query channels ``qg`` ``[B, Hg, G, c]``.
+
+    ``q . (code * scale + min) = (q * scale) . code + q . min``: the codes times their channel's scale is the only
+    pass over them (uint8 times fp32 gives fp32), the minima's part is one small product per K group; int4 as two
+    half-width products (even channels in the low nibbles, odd ones in the high), never interleaved."""
+    b, hg, g, c = qg.shape
+    quant = layout.quant
+    qg = qg.reshape(b * hg, g, c)
+    kg, phase, per_byte, n = quant.fmt.k_group, quant.phase, quant.fmt.per_byte, layout.mid_len
+    scale, mn = quant.k_scale[gi], quant.k_min[gi]  # [B, Hg, c, groups]
+    ng = scale.shape[3]
+    cm = layout.mid_k[gi].transpose(2, 3)  # [B, Hg, cp, n] codes, unit stride along the tokens
+    cm = cm.as_strided((*cm.shape[:3], ng * kg), cm.stride(), cm.storage_offset() - phase * cm.stride(3))
+    w = ng * kg  # from the first group's first slot
     if per_byte == 1:
+        k = (cm.unflatten(3, (ng, kg)) * scale.float().unsqueeze(-1)).view(b * hg, c, w)
+        sc = torch.baddbmm(_ZERO, qg, k, beta=0, alpha=scaling)
+    else:
+        sf = scale.float().unsqueeze(-1)
+        lo, hi = cm & 15, (cm >> 4)[:, :, : c // 2]
+        k_lo = (lo.unflatten(3, (ng, kg)) * sf[:, :, 0::2]).view(b * hg, -1, w)
+        k_hi = (hi.unflatten(3, (ng, kg)) * sf[:, :, 1::2]).view(b * hg, -1, w)
+        sc = torch.baddbmm(_ZERO, qg[..., 0::2], k_lo, beta=0, alpha=scaling)
+        sc = torch.baddbmm(sc, qg[..., 1::2], k_hi, alpha=scaling)
+    sc = sc.view(b * hg, g, ng, kg)
+    sc += torch.bmm(qg, mn.float().reshape(b * hg, c, ng)).mul_(scaling).unsqueeze(-1)
+    return sc.view(b, hg, g, ng * kg)[..., phase : phase + n]
+
+
+def _v_torch(p: torch.Tensor, layout: DecodeLayout, out: torch.Tensor) -> None:
+    """``out`` ``[B, Hkv, G, Dv]`` += the middle's part for weights ``p`` ``[B, Hkv, G, n]``, in place.
+
+    ``sum_j p_j (code_j * s_j + m_j) = (p * s) @ codes + p @ m``: the conversion of the codes is the only pass."""
+    quant, dv = layout.quant, out.shape[-1]
+    if quant.fmt.per_byte == 1:
         codes_v: tuple[torch.Tensor, ...] = (layout.mid_v.to(torch.float32),)  # [B, Hnz, n, Dv]
     else:  # int4: even channels (low nibbles) and odd ones apart, the small outputs interleaved after
         codes_v = ((layout.mid_v & 15).to(torch.float32), (layout.mid_v >> 4)[..., : dv // 2].to(torch.float32))
     v_scale = quant.v_scale.float().squeeze(-1).unsqueeze(2)  # [B, Hnz, 1, n]
     v_min = quant.v_min.float()  # [B, Hnz, n, 1]
-    for first, end, v_off in groups.runs():
+    for first, end, v_off in layout.groups.runs():
         if v_off is None:
             continue
         h = end - first
-        pm = p[:, first:end, :, full:]  # [B, h, G, n]
+        pm = p[:, first:end]  # [B, h, G, n]
         part = slice(v_off, v_off + h)
         ps = pm * v_scale[:, part]
         parts = [torch.matmul(ps, cv[:, part]) for cv in codes_v]
-        pv = parts[0] if per_byte == 1 else torch.stack(parts, -1).flatten(-2)
+        pv = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
         out[:, first:end] += pv + torch.matmul(pm, v_min[:, part])
-    return out.view(b, 1, hq, dv)
 
 
 _ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0): the scale is its alpha

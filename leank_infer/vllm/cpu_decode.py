@@ -27,38 +27,25 @@ times slower per call, and its OpenMP layer loads a second OpenMP runtime with t
 
 The library is compiled the first time a LeanK layer decodes on the CPU, into ``~/.cache/leank/vllm-kernel/``
 (or ``$LEANK_CACHE``), keyed by the source, the flags, the compiler and the CPU (``-march=native``); later
-processes load it in milliseconds. Where no compiler works, or with ``LEANK_VLLM_CPU_KERNEL=0``,
+processes load it in milliseconds (:mod:`leank_infer.decode.native_build`, shared with the HF path's kernel). Where no compiler works, or with ``LEANK_VLLM_CPU_KERNEL=0``,
 :func:`available` is false and :func:`leank_infer.vllm.kernels.decode` keeps the PyTorch path (logged once).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..decode.native_build import NativeLibrary
 from .pool import LayerSlot, WorkerPlan
 
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LEANK_VLLM_CPU_KERNEL"
 SOURCE_PATH = Path(__file__).with_name("cpu_decode.cpp")
-# No -ffast-math: it would let the compiler assume no NaN (the tests' NaN pages catch stray reads) and, in a
-# shared library built by GCC < 13, switch the whole process to flush-to-zero.
-FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC"]
-TRIES = (
-    ["-march=native", "-fopenmp"],
-    ["-fopenmp"],
-    [],
-)  # first that builds wins; the last is single-threaded
 SPLIT = 512  # middle keys per piece of work (a multiple of the tile): pieces for the threads at any batch
 
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
@@ -98,77 +85,24 @@ class _Args(ctypes.Structure):
     ]
 
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.leank_cpu_decode.restype = ctypes.c_int
+    lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
 
 
-def _cache_dir() -> Path:
-    from ..folders.cache_root import cache_root
-
-    return cache_root() / "vllm-kernel"
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: a library built on another CPU (a shared home) may not run here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("flags", "Features", "model name", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() + platform.machine()
+LIBRARY = NativeLibrary(SOURCE_PATH, "vllm-kernel", ENV_SWITCH, "CPU decode kernel", _declare, log)
 
 
 def build(extra: list[str] | None = None, directory: Path | None = None) -> Path:
     """Compile the kernel (or reuse the cached build) and return the library's path; raises on failure.
 
     ``extra`` flags (e.g. ``-fsanitize=address``) are tried alone, without the fallbacks."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        raise OSError("no C++ compiler found (set $CXX)")
-    source = SOURCE_PATH.read_text()
-    directory = directory or _cache_dir()
-    errors = []
-    for flags in [extra] if extra is not None else TRIES:
-        every = FLAGS + flags
-        key = hashlib.sha256("\0".join([source, *every, cxx, _cpu_id()]).encode()).hexdigest()[:16]
-        lib_path = directory / f"leank_cpu_decode_{key}.so"
-        if lib_path.exists():
-            return lib_path
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            src = Path(tmp) / "cpu_decode.cpp"
-            src.write_text(source)
-            so = Path(tmp) / lib_path.name
-            run = subprocess.run([cxx, *every, "-o", str(so), str(src)], capture_output=True, text=True)
-            if run.returncode == 0:
-                os.replace(so, lib_path)  # atomic: a concurrent builder never loads half a file
-                return lib_path
-            errors.append(f"{' '.join(every)}: {run.stderr[-1500:]}")
-    raise OSError("building the LeanK CPU decode kernel failed:\n" + "\n".join(errors))
-
-
-def _load() -> ctypes.CDLL | None:
-    from ..folders.cache_root import CacheRootError
-
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.SubprocessError, CacheRootError) as e:
-        log.warning("LeanK: the CPU decode kernel is not available (%s); the PyTorch decode is used", e)
-        return None
-    lib.leank_cpu_decode.restype = ctypes.c_int
-    lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
-    return lib
+    return LIBRARY.build(extra, directory)
 
 
 def available() -> bool:
     """Whether the kernel is built and switched on (``LEANK_VLLM_CPU_KERNEL`` not ``0``); the first call builds it."""
-    global _lib, _tried
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    if not _tried:
-        _tried = True
-        _lib = _load()
-    return _lib is not None
+    return LIBRARY.available()
 
 
 def supports(
@@ -271,7 +205,7 @@ def decode(
     else:
         a.kv_type, a.k_scale, a.v_scale = _KV_TYPES[packed.dtype], 1.0, 1.0
     a.threads = torch.get_num_threads()
-    rc = _lib.leank_cpu_decode(ctypes.byref(a))
+    rc = LIBRARY.lib.leank_cpu_decode(ctypes.byref(a))
     if rc:
         raise RuntimeError(
             f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments)"
