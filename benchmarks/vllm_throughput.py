@@ -10,9 +10,14 @@ context C and thread count, for each side:
 
 - **equal batch**: a KV pool just large enough for plain vLLM to hold the largest batch (at most
   ``--cap-gib``; batches that do not fit it are skipped), then for each batch B: B requests of
-  C - 2 * steps tokens are prefilled (not timed) and ``--steps`` pure decode steps are timed;
-- **max concurrency**: a 1 GiB pool; more requests than it holds are submitted and the decode steps of
+  C - 4 * steps - 12 tokens are prefilled (not timed) and ``--steps`` pure decode steps are timed;
+- **max concurrency**: a 1 GiB pool; more requests than it holds are submitted and the pure decode steps of
   whatever vLLM runs at once are timed (the rest wait).
+
+A pure decode step is one whose running requests are all past their prompts and that admits no request:
+under chunked prefill a step that also runs a prefill chunk still returns the decoders' tokens, and timing
+it would charge the prefill to decode (the engine holding more requests admits more, so this would fall
+on LeanK's side).
 
 A figure is running requests over the median step time (wall clock and the process's CPU time). The last
 thing printed is a markdown table with LeanK's tokens/s over plain's.
@@ -38,16 +43,25 @@ from vllm_capacity import model_dir  # noqa: E402
 DENSE_TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # the embedded model's K+V per token, fp32
 
 
+def _scheduler(engine):  # noqa: ANN001, ANN202 - the in-process engine core's scheduler
+    return engine.engine_core.engine_core.scheduler
+
+
 def decode_steps(engine, n: int) -> dict:  # noqa: ANN001
-    """Time ``n`` pure decode steps (a step holding a prefill is skipped)."""
+    """Time ``n`` pure decode steps: every running request past its prompt before the step and no request
+    admitted by it (a step that also runs a prefill chunk, of a running or a newly admitted request, is
+    skipped; under chunked prefill such a step still returns the decoders' tokens)."""
+    sched = _scheduler(engine)
     wall, cpu, running = [], [], []
-    for _ in range(8 * n + 64):
+    for _ in range(8 * n + 256):
         if len(wall) == n:
             break
+        before = {r.request_id for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens}
+        decoding = bool(before) and len(before) == len(sched.running)
         w, c = time.perf_counter(), time.process_time()
         outs = engine.step()
         w, c = time.perf_counter() - w, time.process_time() - c
-        if not outs or any(len(o.outputs[0].token_ids) <= 1 for o in outs):
+        if not decoding or not {r.request_id for r in sched.running} <= before or not outs:
             continue
         wall.append(w)
         cpu.append(c)
@@ -65,8 +79,9 @@ def child(args: argparse.Namespace) -> None:
     llm = LLM(model=model_dir(), dtype="float32", max_model_len=args.context, max_num_seqs=max(args.batches + [64]),
               kv_cache_memory_bytes=args.kv_bytes, **extra)  # fmt: skip
     engine = llm.llm_engine
-    prompt = args.context - 2 * args.steps - 4
-    params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 2, ignore_eos=True)
+    prompt = args.context - 4 * args.steps - 12
+    # long enough that no request of the timed set finishes (and frees room for a prefill) while it is timed
+    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
     rows, counter = [], 0
     plan = args.batches if args.phase == "equal" else [0]
     for b in plan:
