@@ -72,13 +72,11 @@ def prefill(
     The same outcome as :func:`~leank_infer.vllm.paged_reference.reference_attention` (tested), which scores every
     key twice in fp32; this is one SDPA call per 256 queries in the model's dtype, about 1.5x a dense prefill.
     """
-    keep = torch.zeros(plan.num_kv_heads * plan.head_dim, dtype=torch.bool, device=q.device)
-    keep[slot.layout.k_index.to(q.device)] = True
     out = positional_prefill_attention(
         q.transpose(0, 1)[None],
         k.to(q.dtype).transpose(0, 1)[None],
         v.to(q.dtype).transpose(0, 1)[None],
-        keep.view(plan.num_kv_heads, plan.head_dim),
+        slot.layout.keep(q.device),
         torch.zeros(1, dtype=torch.long, device=q.device),
         plan.sink,
         plan.recent,

@@ -44,6 +44,12 @@ class PackedLayout:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.width * torch.empty((), dtype=dtype).element_size()
 
+    def keep(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The ``[kv_heads, head_dim]`` bool mask of kept K channels (the inverse of :meth:`from_keep`)."""
+        keep = torch.zeros(self.num_kv_heads * self.head_dim, dtype=torch.bool, device=device)
+        keep[self.k_index.to(device)] = True
+        return keep.view(self.num_kv_heads, self.head_dim)
+
     def to(self, device: torch.device) -> PackedLayout:
         return PackedLayout(
             self.k_index.to(device), self.v_index.to(device), self.num_kv_heads, self.head_dim

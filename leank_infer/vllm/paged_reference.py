@@ -89,13 +89,11 @@ def reference_attention(
     """LeanK attention ``[n, Hq, D]`` of the queries ``q`` ``[n, Hq, D]`` at positions ``first_query + i`` over
     dense ``k``/``v`` ``[length, Hkv, D]`` from :func:`request_kv`, positional rule."""
     n = q.shape[0]
-    keep = torch.zeros(plan.num_kv_heads * plan.head_dim, dtype=torch.float32, device=q.device)
-    keep[slot.layout.k_index.to(q.device)] = 1
     out = leank_attention(
         q.float().transpose(0, 1)[None],
         k.float().transpose(0, 1)[None],
         v.float().transpose(0, 1)[None],
-        keep.view(plan.num_kv_heads, plan.head_dim),
+        slot.layout.keep(q.device).float(),
         torch.arange(first_query, first_query + n, device=q.device),
         plan.sink,
         plan.recent,
