@@ -22,7 +22,9 @@ KV quantisation (issue #33), on the same probes: ``--kv-quants int8 int4`` adds 
 (``leank-r70-int8``), ``--random-kv-quants int8`` random channels at its budget, quantised the same way
 (``random-r70-int8``: the same bytes), ``--hf-quants quanto:4 quanto:2`` transformers' ``QuantizedCache`` alone
 (``quanto-int4``: every channel, quantised). Every method's KV bytes per token after a prefill of ``--bytes-at``
-tokens (bf16 model dtype) go into the JSON and the table; ``--plot F.png`` draws them against the headline score.
+tokens (bf16 model dtype) go into the JSON and the table; ``--plot F.png`` draws them against the headline score
+(of the first run's first length). ``--from-json F1K F2K F4K --card`` with such runs gives each card's "KV
+quantisation" section one table per run, under the command that measured it.
 
     python benchmarks/eval_masks.py hub/smollm2-135m-instruct hub/smollm2-135m-instruct-r80 \
         --lengths 1024 2048 --samples 20 --seed 7 [--tasks ...] [--no-baselines] [--json out.json] [--card]
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{format_bytes(res)}")
         print(f"\n{probes} probes, {len(res['methods'])} methods, {took / 60:.1f} min wall "
               f"({probes / took:.3f} probes/s), {args.threads} torch threads\n")
-    quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants)
+    quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants) or any(
+        name.rsplit("-", 1)[-1] in ("int8", "int4", "int2") for res in runs for name in res["methods"])
     if args.plot:
         from leank_infer.hub.plots import plot_pareto
 
@@ -166,12 +169,11 @@ def main(argv: list[str] | None = None) -> None:
         plot_ratio_sweep(sweep, args.sweep_plot, cmd)
         figures[args.sweep_plot.name] = cmd
         print(f"figure: {args.sweep_plot}")
-    if args.card and quantised:  # the cards keep their results; the run goes to their "KV quantisation" section
+    if args.card and quantised:  # the cards keep their results; the runs go to their "KV quantisation" section
         for i, path in enumerate(args.masks):
-            run = runs[0]
-            write_model_card(path, None, figures={args.plot.name: run["command"]} if args.plot else None,
+            write_model_card(path, None, figures={args.plot.name: runs[0]["command"]} if args.plot else None,
                              figure_files=[args.plot] if args.plot else (),
-                             kv_quant=kv_quant_record(run, run["tags"][i], run["command"]))
+                             kv_quant=[kv_quant_record(run, run["tags"][i], run["command"]) for run in runs])
             print(f"card: {path}")
     elif args.card:
         for i, path in enumerate(args.masks):

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/vllm_suite.py [--mask hub/smollm2-135m-instruct-s3] [--lengths 1024 2048]
         [--samples 25] [--seed 1234] [--tasks ...] [--at 2048:45:niah_single_number,passkey ...]
         [--engines vllm-fp32 vllm-fp8 leank-fp32 leank-fp8] [--threads 2] [--kv-gib 2]
-        [--vllm-python .venv-vllm/bin/python] [--json out.json] [--work DIR]
+        [--vllm-python .venv-vllm/bin/python] [--json out.json] [--work DIR] [--save]
 
 The probes are the suite's (``leank_train.evaluation.tasks.build_probes``: a probe is a pure function of
 seed, task, length and index, so they are the probes ``leank eval`` and ``benchmarks/eval_masks.py`` answer),
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--json", type=Path)
+    p.add_argument("--save", action="store_true", help="write the tables to docs/results/vllm-suite.json")
     p.add_argument("--work", type=Path, help="keep the probes and each engine's answers here; a rerun of the same "
                    "probes reuses the answers it finds")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -228,12 +229,20 @@ def main(argv: list[str] | None = None) -> None:
     from leank_train.evaluation.report import format_table
 
     res = score(tokenizer, probes, generations, eos)
+    tables = "\n".join([
+        comparison_table(res, runs), "",
+        "Per task (cells: correct/probes, accuracy, Wilson 95% interval, paired counts against `full`, plain vLLM "
+        "with fp32 KV):", "",
+        format_table(res), "",
+        f"mask {args.mask}; embedded SmolLM2-135M-Instruct, fp32 weights, vLLM defaults, {args.threads} threads, "
+        f"{os.cpu_count()} CPUs; " + ", ".join(f"{e} {s / 60:.1f} min" for e, s in seconds.items()),
+    ])  # fmt: skip
     print(f"\n`{cmd}`\n")
-    print(format_table(res))
-    print("\nfull: plain vLLM with fp32 KV\n")
-    print(comparison_table(res, runs))
-    print(f"\nmask {args.mask}; embedded SmolLM2-135M-Instruct, fp32 weights, vLLM defaults, {args.threads} threads, "
-          f"{os.cpu_count()} CPUs; " + ", ".join(f"{e} {s / 60:.1f} min" for e, s in seconds.items()))  # fmt: skip
+    print(tables)
+    if args.save:
+        import results
+
+        print(f"saved {results.save('vllm-suite', tables)}")
     if args.json:
         args.json.write_text(json.dumps({"command": cmd, "seconds": seconds, "mask": args.mask, **res},
                                         indent=1, default=str))  # fmt: skip

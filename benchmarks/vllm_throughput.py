@@ -116,6 +116,34 @@ def run(args: argparse.Namespace, mask: str, context: int, threads: int, phase: 
     return rows
 
 
+def result_name(threads: int) -> str:
+    """The docs' table of one thread count: ``docs/results/vllm-throughput-<N>-thread(s).json``."""
+    return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}"
+
+
+def table(rows: list[dict], mask: str, threads: int) -> str:
+    """The markdown table of one thread count's rows: LeanK's tokens/s over plain's at each context and batch."""
+    path = Path(mask).resolve()
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct, fp32, mask {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, "
+        f"vLLM's defaults, {threads} thread{'s' if threads > 1 else ''}; decode tokens/s over the wall clock "
+        "(over the process's CPU time in brackets).",
+        "",
+        "| threads | context | batch | plain tok/s | LeanK tok/s | LeanK / plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in rows if r["engine"] == "plain" and r["threads"] == threads):
+        other = [x for x in rows if x["engine"] == "leank" and (x["threads"], x["context"], x["batch"]) ==
+                 (r["threads"], r["context"], r["batch"])]  # fmt: skip
+        if not other:
+            continue
+        o = other[0]
+        batch = f"max ({r['running']:.0f} vs {o['running']:.0f})" if r["batch"] == "max" else r["batch"]
+        lines.append(f"| {r['threads']} | {r['context']} | {batch} | {r['tok_s']:.1f} ({r['tok_cpu_s']:.1f}) | "
+                     f"{o['tok_s']:.1f} ({o['tok_cpu_s']:.1f}) | {o['tok_s'] / r['tok_s']:.2f}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
@@ -125,7 +153,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cap-gib", type=float, default=4.0, help="largest KV pool of an equal-batch engine")
     p.add_argument("--json", type=Path)
-    p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-throughput.json")
+    p.add_argument("--save", action="store_true",
+                   help="write each thread count's table to docs/results/vllm-throughput-<N>-thread(s).json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, help=argparse.SUPPRESS)
     p.add_argument("--phase", help=argparse.SUPPRESS)
@@ -143,26 +172,11 @@ def main() -> None:
                     rows += run(args, mask, context, threads, "equal", fits, kv)
                 rows += run(args, mask, context, threads, "max", [], 2**30)
                 print(rows[-1], flush=True)
-    mask = Path(args.mask).resolve()
-    lines = [
-        f"Embedded SmolLM2-135M-Instruct, fp32, mask {mask.relative_to(ROOT) if mask.is_relative_to(ROOT) else mask}, "
-        "vLLM's defaults; decode tokens/s over the wall clock (over the process's CPU time in brackets).",
-        "",
-        "| threads | context | batch | plain tok/s | LeanK tok/s | LeanK / plain |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in (r for r in rows if r["engine"] == "plain"):
-        other = [x for x in rows if x["engine"] == "leank" and (x["threads"], x["context"], x["batch"]) ==
-                 (r["threads"], r["context"], r["batch"])]  # fmt: skip
-        if not other:
-            continue
-        o = other[0]
-        batch = f"max ({r['running']:.0f} vs {o['running']:.0f})" if r["batch"] == "max" else r["batch"]
-        lines.append(f"| {r['threads']} | {r['context']} | {batch} | {r['tok_s']:.1f} ({r['tok_cpu_s']:.1f}) | "
-                     f"{o['tok_s']:.1f} ({o['tok_cpu_s']:.1f}) | {o['tok_s'] / r['tok_s']:.2f}x |")  # fmt: skip
-    print("\n" + "\n".join(lines))
-    if args.save:
-        print(f"saved {results.save('vllm-throughput', chr(10).join(lines))}")
+    tables = {t: table(rows, args.mask, t) for t in args.threads}
+    print("\n" + "\n\n".join(tables.values()))
+    if args.save:  # one table per thread count, so that a rerun of one thread count replaces only its own
+        for t, text in tables.items():
+            print(f"saved {results.save(result_name(t), text)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

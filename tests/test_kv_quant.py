@@ -561,6 +561,40 @@ def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
     assert "kv_quant of the LeanK rows: int8." in text  # the earlier results stay
     assert (tmp_path / "pareto.png").is_file() and "python benchmarks/eval_masks.py x --kv-quants int4" in text
     assert "4 probes per task and length" in text and "1024 tokens: passkey, niah_single_number" in text
+    # several runs (one per length): one table each, under its own command, in the order given
+    second = {**record, "command": "python benchmarks/eval_masks.py y --lengths 2048", "lengths": [2048],
+              "rows": [{**record["rows"][0], "headline": {"2048": "0.800 +/- 0.030"}}],
+              "headline_tasks": {"2048": ["passkey"]}}
+    write_model_card(tmp_path, None, kv_quant=[record, second])
+    text = (tmp_path / "README.md").read_text()
+    assert text.count("## KV quantisation") == 1
+    first_at, second_at = text.index("`python benchmarks/eval_masks.py x --kv-quants int4`"), text.index(
+        "`python benchmarks/eval_masks.py y --lengths 2048`")
+    assert first_at < text.index("| LeanK | int4 | 2,756 | 0.900 +/- 0.020 |") < second_at
+    assert second_at < text.index("| LeanK | int4 | 2,756 | 0.800 +/- 0.030 |")
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("nope", "must be a run record or a list"),
+    ([{"lengths": [1024], "bytes_at": 8192, "rows": []}], "record 0 has no 'command'"),
+    ({"command": "x", "lengths": ["1k"], "bytes_at": 8192, "rows": []}, "'lengths' list of integers"),
+    ({"command": "x", "lengths": [1024], "bytes_at": 8192, "rows": [{"method": "LeanK"}]}, "rows without"),
+])
+def test_a_damaged_kv_quant_record_is_named_before_the_card_is_drawn(tmp_path, bad, says):
+    """eval.json's kv_quant from a stranger: one MaskError naming it, and the folder left as it was."""
+    import json
+
+    from test_card import _mask_dir
+
+    from leank_infer.hub.card import write_model_card
+    from leank_infer.mask import MaskError
+
+    _mask_dir(tmp_path)
+    (tmp_path / "eval.json").write_text(json.dumps({"kv_quant": bad}))
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    with pytest.raises(MaskError, match=says):
+        write_model_card(tmp_path, None)
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
 
 
 def test_command_lines_take_kv_quant():

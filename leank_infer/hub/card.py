@@ -212,29 +212,63 @@ def results_table(eval_results: list[dict[str, Any]]) -> str:
 _EVAL_EXTRAS = ("dataset_config", "dataset_split", "dataset_args", "metric_config", "metric_args")
 
 
-def kv_quant_section(record: dict[str, Any] | None) -> str:
-    """The card's "KV quantisation" section: the run that measured the mask with its middle quantised
-    (``kv_quant``, a decode setting: the mask is the same), each method's bytes per token next to its headline."""
-    if not record:
+def kv_quant_section(record: dict[str, Any] | list[dict[str, Any]] | None) -> str:
+    """The card's "KV quantisation" section: the runs that measured the mask with its middle quantised
+    (``kv_quant``, a decode setting: the mask is the same), each method's bytes per token next to its headline;
+    one table per run (a run per length, say), each under the command that measured it."""
+    records = [record] if isinstance(record, dict) else list(record or [])
+    if not records:
         return ""
-    lengths = record["lengths"]
-    lines = [f"| method | kv_quant | KV bytes/token at {record['bytes_at']:,} (bf16) | "
-             + " | ".join(f"headline, {n} tokens" for n in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
-    for r in record["rows"]:
-        cells = [r["headline"].get(str(n), "n/a") for n in lengths]
-        lines.append(f"| {r['method']} | {r['kv_quant']} | {r['bytes_per_token']:,.0f} | " + " | ".join(cells) + " |")
-    probes = record.get("samples_per_task")
-    size = "" if probes is None else (
-        f"{probes} probes per task and length; the headline is the mean over the tasks the full model passes ("
-        + "; ".join(f"{n} tokens: {', '.join(t)}" for n, t in record.get("headline_tasks", {}).items())
-        + "), +/- its standard error.\n\n")
-    return (
+    out = [
         "## KV quantisation\n\nThe mask is unchanged; `kv_quant=\"int8\"` or `\"int4\"` (`LeanKModel.from_pretrained(mask, "
         "kv_quant=...)`, `--kv-quant`) stores the middle's kept K channels and its V quantised (K per channel, V per "
         "token; sink and recent tokens in full precision). The rows say which quantisation each method decoded with "
-        f"(`QuantizedCache`: transformers' cache, every channel quantised):\n\n`{record['command']}`\n\n"
-        + "\n".join(lines) + "\n\n" + size
-    )
+        "(`QuantizedCache`: transformers' cache, every channel quantised):\n\n"
+    ]
+    for rec in records:
+        lengths = rec["lengths"]
+        lines = [f"| method | kv_quant | KV bytes/token at {rec['bytes_at']:,} (bf16) | "
+                 + " | ".join(f"headline, {n} tokens" for n in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
+        for r in rec["rows"]:
+            cells = [r["headline"].get(str(n), "n/a") for n in lengths]
+            lines.append(f"| {r['method']} | {r['kv_quant']} | {r['bytes_per_token']:,.0f} | " + " | ".join(cells) + " |")
+        probes = rec.get("samples_per_task")
+        size = "" if probes is None else (
+            f"{probes} probes per task and length; the headline is the mean over the tasks the full model passes ("
+            + "; ".join(f"{n} tokens: {', '.join(t)}" for n, t in rec.get("headline_tasks", {}).items())
+            + "), +/- its standard error.\n\n")
+        out.append(f"`{rec['command']}`\n\n" + "\n".join(lines) + "\n\n" + size)
+    return "".join(out)
+
+
+def check_kv_quant_records(value: Any, where: str) -> list[dict[str, Any]]:
+    """``eval.json``'s ``kv_quant``: a run record (or a list of them) as :func:`kv_quant_section` reads it; anything
+    else is one MaskError naming what is wrong (a stranger's file must not fail a card update half-way)."""
+    from ..mask import MaskError
+
+    records = [value] if isinstance(value, dict) else value
+    if not isinstance(records, list):
+        raise MaskError(f"{where}: 'kv_quant' must be a run record or a list of them; fix or delete the file")
+    for i, rec in enumerate(records):
+        bad = None
+        if not isinstance(rec, dict):
+            bad = "is not an object"
+        elif not isinstance(rec.get("command"), str):
+            bad = "has no 'command' string"
+        elif not (isinstance(rec.get("lengths"), list) and all(isinstance(n, int) for n in rec["lengths"])):
+            bad = "has no 'lengths' list of integers"
+        elif not isinstance(rec.get("bytes_at"), int):
+            bad = "has no integer 'bytes_at'"
+        elif not isinstance(rec.get("rows"), list) or not all(
+            isinstance(r, dict) and isinstance(r.get("method"), str) and isinstance(r.get("kv_quant"), str)
+            and isinstance(r.get("bytes_per_token"), (int, float)) and isinstance(r.get("headline"), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in r["headline"].items())
+            for r in rec["rows"]
+        ):
+            bad = "has rows without method, kv_quant, bytes_per_token and headline"
+        if bad:
+            raise MaskError(f"{where}: kv_quant record {i} {bad}; fix or delete the file")
+    return records
 
 
 def build_card(
@@ -242,14 +276,14 @@ def build_card(
     repo: str,
     eval_results: list[dict[str, Any]] | None = None,
     figures: dict[str, str] | None = None,
-    kv_quant: dict[str, Any] | None = None,
+    kv_quant: dict[str, Any] | list[dict[str, Any]] | None = None,
 ):
     """A huggingface_hub ModelCard for ``mask``; ``eval_results`` items have task/dataset/metric/value keys,
     and optionally the other fields of ``huggingface_hub.EvalResult`` (dataset_config, dataset_args,
     metric_config, metric_args: e.g. the context length and the method of one result).
 
     ``figures`` maps a PNG file of the repo to the command that drew it; ``kv_quant`` is the record of
-    :func:`kv_quant_section` (the mask evaluated with a quantised middle).
+    :func:`kv_quant_section` (the mask evaluated with a quantised middle), or a list of them (one per run).
     """
     import torch
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -345,6 +379,8 @@ def read_eval_record(folder: str | Path) -> dict[str, Any]:
         raise MaskError(f"{path}: 'results' must be a list of result rows (objects); fix or delete the file")
     if not isinstance(figures, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in figures.items()):
         raise MaskError(f"{path}: 'figures' must map PNG file names to the commands that drew them; fix or delete it")
+    if "kv_quant" in record:
+        check_kv_quant_records(record["kv_quant"], str(path))
     return record
 
 
@@ -353,7 +389,7 @@ def write_card_files(
     eval_results: list[dict[str, Any]] | None = None,
     repo: str | None = None,
     figures: dict[str, str] | None = None,
-    kv_quant: dict[str, Any] | None = None,
+    kv_quant: dict[str, Any] | list[dict[str, Any]] | None = None,
 ) -> None:
     """Write README.md, pattern.png (and eval.json) straight into ``folder``, a mask repo being built
     inside :func:`~leank_infer.mask.write_mask_folder`'s ``fill``; an existing one is updated as a
@@ -392,7 +428,7 @@ def write_model_card(
     repo: str | None = None,
     figures: dict[str, str] | None = None,
     figure_files: Sequence[str | Path] = (),
-    kv_quant: dict[str, Any] | None = None,
+    kv_quant: dict[str, Any] | list[dict[str, Any]] | None = None,
 ) -> Path:
     """Update the card (README.md, pattern.png, eval.json) of the mask repo ``folder`` as a whole.
 
