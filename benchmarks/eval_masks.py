@@ -145,12 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         runs[0]["tags"] = tags
     for res in runs:
         probes, took = len(res["answers"]), res["seconds"]
+        threads = p.parse_args(shlex.split(res["command"])[2:]).threads  # the run's (a saved run's own)
         print(f"`{res['command']}`\n")
         print(format_table(res))
         if res.get("bytes_per_token"):
             print(f"\n{format_bytes(res)}")
         print(f"\n{probes} probes, {len(res['methods'])} methods, {took / 60:.1f} min wall "
-              f"({probes / took:.3f} probes/s), {args.threads} torch threads\n")
+              f"({probes / took:.3f} probes/s), {threads} torch threads\n")
     quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants) or any(
         name.rsplit("-", 1)[-1] in ("int8", "int4", "int2") for res in runs for name in res["methods"])
     if args.plot:

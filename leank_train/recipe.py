@@ -67,6 +67,9 @@ class Recipe:
         config_overrides: model config attributes set at load (e.g. YaRN ``rope_parameters``).
         dtype: dtype of the frozen model.
         activation_checkpointing: recompute each student layer in the backward (same gradients, less memory).
+        student_rule: the rule the mask is learned for: ``dense-prefill`` (the answer after a dense prompt, the
+            transformers path's default) or ``positional`` (every query pruned by its position, the prompt's too:
+            what the vLLM plugin serves; a backward through the whole prompt).
         sink_size: sink tokens that keep all channels (train and decode).
         recent_size: training recent window: the last tokens before each answer query keep all channels.
         ratio: fraction of K channels pruned by the binarisation.
@@ -103,6 +106,7 @@ class Recipe:
     config_overrides: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     activation_checkpointing: bool = False
+    student_rule: Literal["dense-prefill", "positional"] = "dense-prefill"
     sink_size: int = 16
     recent_size: int = 64
     ratio: float = 0.7
@@ -171,6 +175,7 @@ def stage_config(recipe: Recipe, stage: Literal[1, 2], recipe_text: str | None =
             "ratio_anneal_steps": st.ratio_anneal_steps, "min_kept": st.min_kept,
             "activation_checkpointing": recipe.activation_checkpointing,
             "config_overrides": recipe.config_overrides,
+            "student_rule": recipe.student_rule, "accumu_size": recipe.accumu_size,
         },
         "data": {
             "haystacks": recipe.haystacks, "templates": recipe.templates, "min_length": recipe.min_length,

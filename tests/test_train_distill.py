@@ -156,3 +156,42 @@ def test_stage2_channel_scale_keeps_the_sliding_layer_whole(tmp_path):
     scale = module.channel_scale().detach()
     assert bool((scale[0] == 1).all()) and int(scale[1].sum()) > int(binarize(scores, 0.5, 4)[1].sum())
     assert torch.equal(scale.bool(), binarize(scores, 0.5, 4, dense_layers=(0,)))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_positional_student_is_the_rule_the_vllm_plugin_serves(tmp_path, family):
+    """student_rule="positional": the student's answer states are those of LeanKModel(rule="positional") over
+    the whole sequence with the exported mask (every prompt query pruned too), not the dense-prefill student's;
+    and its loss has a gradient on alpha that points downhill."""
+    from leank_infer import LeanKModel
+
+    model = tiny_model(family)
+    layers = model.config.num_hidden_layers
+    heads = model.config.num_key_value_heads
+    scores = torch.rand(layers, heads, 16, generator=torch.Generator().manual_seed(3))
+    save_file({"scores": scores}, str(tmp_path / "scores.safetensors"))
+    kw = dict(stage=2, ratio=0.5, init_scores=str(tmp_path / "scores.safetensors"), reg_weight=0.0, **SIZES)
+    positional = LeanKDistillation.for_model(model, student_rule="positional", accumu_size=4, **kw)
+    batch = _batch(total=70, context=50)
+    ids, context = batch["input_ids"], 50
+    with torch.no_grad():
+        teacher, student = positional.hidden_states(ids, context)
+        mask = positional.mask(recent_size=SIZES["recent_size"], accumu_size=4)
+        lk = LeanKModel(model, mask, rule="positional")
+        want = lk(input_ids=ids, past_key_values=lk.new_cache()).logits[:, context:]
+        got = model.lm_head(student)
+        if family == "gemma2":  # the final soft-capping of Gemma 2's logits
+            cap = model.config.final_logit_softcapping
+            got = torch.tanh(got / cap) * cap
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        dense = LeanKDistillation.for_model(model, **kw)
+        assert not torch.allclose(dense.hidden_states(ids, context)[1], student, atol=1e-4)
+        assert not torch.allclose(teacher, student, atol=1e-4)
+    positional.training_step(batch, 0).backward()
+    grad = positional.alpha.grad.clone()
+    assert torch.count_nonzero(grad) > 0
+    with torch.no_grad():
+        start, base = positional.alpha.clone(), _distill(positional, batch)
+        positional.alpha.copy_(start - 1e-2 * grad / grad.norm())
+        down = _distill(positional, batch)
+    assert down <= base

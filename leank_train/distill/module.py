@@ -116,6 +116,8 @@ class LeanKDistillation(L.LightningModule):
         min_kept: int = 0,
         activation_checkpointing: bool = False,
         config_overrides: dict[str, Any] | None = None,
+        student_rule: Literal["dense-prefill", "positional"] = "dense-prefill",
+        accumu_size: int = 16,
     ) -> None:  # pragma: no mutate block (save_hyperparameters reads this frame: no mutmut trampoline)
         """
         Args:
@@ -144,6 +146,12 @@ class LeanKDistillation(L.LightningModule):
                 instead of keeping its activations (same gradients, less memory on long contexts).
             config_overrides: model config attributes set at load (e.g. ``rope_parameters`` for YaRN),
                 forwarded to ``from_pretrained``.
+            student_rule: the rule the mask is learned for. ``dense-prefill`` (the paper's): the answer tokens
+                alone, against the context K/V of the dense teacher pass. ``positional`` (what the vLLM plugin
+                serves): the whole sequence, every query by the rule, prompt included, so the prompt's own
+                pruned attention is part of what is distilled (costs a backward through the whole sequence:
+                use ``activation_checkpointing`` on long prompts).
+            accumu_size: ``positional`` only: the decode-time rounding of each query's recent window.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -314,6 +322,20 @@ class LeanKDistillation(L.LightningModule):
                 ).last_hidden_state
                 teacher = sp.all_gather_cat(local, group, dim=1)[:, :total]
             teacher = teacher[:, context_len:]
+        if self.hparams.student_rule == "positional":
+            if group is not None:
+                raise RecipeError("student_rule positional does not support sequence parallelism")
+            state = StudentState(
+                channel_scale=self.channel_scale(),
+                sink_size=self.hparams.sink_size,
+                recent_size=self.hparams.recent_size,
+                skip_zero_heads=self.hparams.stage == 2,
+                dense_layers=frozenset(self.dense_layers),
+                accumu_size=self.hparams.accumu_size,
+            )
+            with self._checkpointed_layers():
+                student = decoder(input_ids=input_ids, use_cache=False, **{STATE_KWARG: state}).last_hidden_state
+            return teacher, student[:, context_len:]
         context = [(k[:, :, :context_len], v[:, :, :context_len]) for k, v in (record.kv[i] for i in sorted(record.kv))]
         state = StudentState(
             channel_scale=self.channel_scale(),

@@ -41,6 +41,9 @@ class StudentState:
     recent_size: int
     skip_zero_heads: bool = False  # stage 2: heads with no kept channel ignore their middle, as at decode
     dense_layers: frozenset[int] = frozenset()  # sliding-window layers: the model's own attention, no LeanK
+    # the positional rule (vLLM's): the student runs the whole sequence, every query by its position alone
+    # (``accumu_size``: the decode-time rounding of the recent window); None: answer tokens after the context
+    accumu_size: int | None = None
     # per layer (K, V) of the context, post-RoPE, [1, kv_heads (or this rank's shard), context, D]
     context: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     group: Any = None  # sequence-parallel process group: context holds this rank's KV heads
@@ -81,9 +84,11 @@ def leank_student_attention(
         return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("the LeanK student pass runs one sequence at a time (batch size 1)")
+    layer = module.layer_idx
+    if state.accumu_size is not None:
+        return _positional(module, query, key, value, attention_mask, scaling, softcap, state, **kwargs)
     if state.context is None:
         raise ValueError("the student pass needs the context K/V recorded by the teacher pass")
-    layer = module.layer_idx
     ctx_k, ctx_v = state.context[layer]
     if layer in state.dense_layers:
         return _dense_after_context(module, query, key, value, ctx_k, ctx_v, scaling, softcap, **kwargs)
@@ -114,6 +119,42 @@ def leank_student_attention(
     )
     if group is not None:
         out = sp.gather_heads(out, group, dim=2)  # [1, Q, Hq, D] on every rank
+    return out, None
+
+
+def _positional(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+    state: StudentState,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The student of a positional-rule mask: the whole sequence (prompt and answer), every query scoring the
+    sink and its recent window (rounded as at decode) with every channel and the middle with the scaled ones,
+    as the vLLM plugin serves every token. The prompt's errors then reach the answer through the layers, and
+    the mask learns to keep them small."""
+    if state.group is not None:
+        raise NotImplementedError("the positional student does not support sequence parallelism")
+    if module.layer_idx in state.dense_layers:
+        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+    positions = torch.arange(query.shape[2], device=query.device)
+    out = leank_attention(
+        query,
+        key,
+        value,
+        state.channel_scale[module.layer_idx],
+        positions,
+        state.sink_size,
+        state.recent_size,
+        default_scale(query.shape[-1], scaling),
+        skip_zero_heads=state.skip_zero_heads,
+        softcap=softcap,
+        accumu_size=state.accumu_size,
+    )
     return out, None
 
 
