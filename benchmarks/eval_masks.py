@@ -123,11 +123,15 @@ def main(argv: list[str] | None = None) -> None:
         for path in args.from_json:
             res = json.loads(path.read_text())
             measured = p.parse_args(shlex.split(res["command"])[2:]).masks
-            missing = [m for m in args.masks if m not in measured]
+            # a mask given is one the run answered with: the same folder, or a copy of its mask (a run on a
+            # candidate's folder before it was copied into hub/)
+            found = {m: next((x for x in measured if same_mask(m, x)), None) for m in args.masks}
+            missing = [m for m, x in found.items() if x is None]
             if missing:
                 sys.exit(f"{path} answered with the masks {measured}, not {missing}: "
                          f"give masks of its command: {res['command']}")
             theirs = dict(zip(measured, mask_tags([ChannelMask.from_pretrained(m) for m in measured]), strict=True))
+            theirs = {m: theirs[found[m]] for m in args.masks}
             res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
             runs.append({**res, "tags": [theirs[m] for m in args.masks]})
     else:
@@ -186,6 +190,14 @@ def main(argv: list[str] | None = None) -> None:
             write_model_card(path, rows, figures=figures or None,
                              figure_files=[args.sweep_plot] if args.sweep_plot else ())
             print(f"card: {path}")
+
+
+def same_mask(a: str, b: str) -> bool:
+    """Folders ``a`` and ``b`` hold the same mask: the same folder, or byte-identical mask.safetensors."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    fa, fb = Path(a) / "mask.safetensors", Path(b) / "mask.safetensors"
+    return fa.is_file() and fb.is_file() and fa.read_bytes() == fb.read_bytes()
 
 
 def method_bytes(m, lm, tokens: int) -> float:

@@ -46,8 +46,17 @@ def test_cards_from_the_saved_json_equal_the_runs_own(eval_masks, tmp_path, caps
     # a mask the saved run did not answer with is refused, naming the run's
     stranger = tmp_path / "stranger"
     shutil.copytree(other_dir, stranger)
+    ChannelMask.from_scores(torch.rand(first.keep.shape, generator=torch.Generator().manual_seed(6)), 0.5, 4,
+                            sink_size=4, recent_size=8, accumu_size=4,
+                            base_model=first.base_model).save_pretrained(stranger)
     with pytest.raises(SystemExit, match="answered with the masks"):
         eval_masks.main([str(mask_dir), str(stranger), "--from-json", str(out), "--card"])
+    # a copy of a measured mask in another folder (a candidate published into hub/) gets that mask's rows
+    copy = tmp_path / "published"
+    shutil.copytree(other_dir, copy)
+    (copy / EVAL_FILE).unlink()
+    eval_masks.main([str(copy), "--from-json", str(out), "--card"])
+    assert json.loads((copy / EVAL_FILE).read_text()) == cards[other_dir]
     # the run's masks in another order, or one of them, get their own rows (the run's names for them)
     eval_masks.main([str(other_dir), "--from-json", str(out), "--card"])
     assert json.loads((other_dir / EVAL_FILE).read_text()) == cards[other_dir]
