@@ -186,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
             for res in runs:
                 tag = res["tags"][i]
                 names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
-                rows += card_results(renamed(res, names), res["command"])
+                rule = p.parse_args(shlex.split(res["command"])[2:]).rules[0]  # the rule of the rows the card takes
+                for row in card_results(renamed(res, names), res["command"]):
+                    if row.get("metric_config") in ("leank", "random", "think"):
+                        row["metric_args"] = {**row.get("metric_args", {}), "rule": rule}
+                    rows.append(row)
             write_model_card(path, rows, figures=figures or None,
                              figure_files=[args.sweep_plot] if args.sweep_plot else ())
             print(f"card: {path}")

@@ -134,3 +134,17 @@ def test_card_statistics_carry_the_numbers_worked_out_by_hand(tmp_path):
                 "| sink / recent / accumulation tokens | 5 / 7 / 3 |", "| ratio / align | 0.5 / 4 |"):
         assert row in text, row
     assert "keeps 43.8% of the K cache and\n75.0% of the V cache" in text
+
+
+def test_card_says_the_rule_its_leank_rows_decoded_by(tmp_path):
+    """A run under the positional rule (what the vLLM plugin serves) says so above its table; rows without a rule
+    (older runs) say nothing about it."""
+    from leank_infer.hub.card import write_model_card
+
+    _mask_dir(tmp_path)
+    row = {"dataset": "needle-2k", "value": 0.9, "command": "python benchmarks/eval_masks.py x --rules positional",
+           "metric": "accuracy (leank)", "metric_config": "leank", "metric_args": {"method": "leank"}}
+    write_model_card(tmp_path, eval_results=[row])
+    assert "Rule of the LeanK rows" not in (tmp_path / "README.md").read_text()
+    write_model_card(tmp_path, eval_results=[{**row, "metric_args": {"method": "leank", "rule": "positional"}}])
+    assert "Rule of the LeanK rows: positional (every query" in (tmp_path / "README.md").read_text()

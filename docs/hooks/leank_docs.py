@@ -83,6 +83,7 @@ def headline(folder: Path) -> dict[str, Any] | None:
         "gained": paired.get("only_method"),
         "tasks": leank["dataset_args"].get("tasks", []),
         "command": leank.get("command"),
+        "rule": leank.get("metric_args", {}).get("rule"),
     }
 
 
@@ -103,8 +104,9 @@ def _pct(x: float) -> str:
 def _share(h: dict[str, Any] | None) -> str:
     if h is None:
         return "not measured here"
+    rule = ", positional rule" if h.get("rule") == "positional" else ""
     return (f"{h['leank']:.3f} vs {h['full']:.3f} = **{100 * h['share']:.0f}%** "
-            f"(-{h['lost']}/+{h['gained']} probes, {h['length']} tokens)")
+            f"(-{h['lost']}/+{h['gained']} probes, {h['length']} tokens{rule})")
 
 
 # ---- generated markdown -----------------------------------------------------------------------------------

@@ -313,6 +313,12 @@ def build_card(
         quants = sorted({str((r.get("metric_args") or {}).get("kv_quant") or "none") for r in eval_results})
         said = ("The LeanK rows decode with the middle in the model's dtype (kv_quant: none)." if quants == ["none"]
                 else f"kv_quant of the LeanK rows: {', '.join(quants)}.")
+        rules = sorted({str(r["metric_args"]["rule"]) for r in eval_results if (r.get("metric_args") or {}).get("rule")})
+        if rules:
+            said += f" Rule of the LeanK rows: {', '.join(rules)}" + (
+                " (every query, the prompt's too, pruned by its position: what the vLLM plugin serves)."
+                if rules == ["positional"] else " (dense-prefill: the prompt attended densely, then pruned decoding)."
+                if rules == ["dense-prefill"] else ".")
         results_md = f"## Results\n\n{said}\n\n" + "".join(
             f"`{cmd}`\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
             for cmd in commands)
