@@ -322,30 +322,22 @@ class LeanKDistillation(L.LightningModule):
                 ).last_hidden_state
                 teacher = sp.all_gather_cat(local, group, dim=1)[:, :total]
             teacher = teacher[:, context_len:]
-        if self.hparams.student_rule == "positional":
-            if group is not None:
-                raise RecipeError("student_rule positional does not support sequence parallelism")
-            state = StudentState(
-                channel_scale=self.channel_scale(),
-                sink_size=self.hparams.sink_size,
-                recent_size=self.hparams.recent_size,
-                skip_zero_heads=self.hparams.stage == 2,
-                dense_layers=frozenset(self.dense_layers),
-                accumu_size=self.hparams.accumu_size,
-            )
-            with self._checkpointed_layers():
-                student = decoder(input_ids=input_ids, use_cache=False, **{STATE_KWARG: state}).last_hidden_state
-            return teacher, student[:, context_len:]
-        context = [(k[:, :, :context_len], v[:, :, :context_len]) for k, v in (record.kv[i] for i in sorted(record.kv))]
         state = StudentState(
             channel_scale=self.channel_scale(),
             sink_size=self.hparams.sink_size,
             recent_size=self.hparams.recent_size,
             skip_zero_heads=self.hparams.stage == 2,
             dense_layers=frozenset(self.dense_layers),
-            context=context,
             group=group,
         )
+        if self.hparams.student_rule == "positional":  # the whole sequence under the rule; no context to record
+            if group is not None:
+                raise RecipeError("student_rule positional does not support sequence parallelism")
+            state.accumu_size = self.hparams.accumu_size
+            with self._checkpointed_layers():
+                student = decoder(input_ids=input_ids, use_cache=False, **{STATE_KWARG: state}).last_hidden_state
+            return teacher, student[:, context_len:]
+        state.context = [(k[:, :, :context_len], v[:, :, :context_len]) for k, v in (record.kv[i] for i in sorted(record.kv))]
         positions = torch.arange(context_len, total, device=input_ids.device).unsqueeze(0)
         with self._checkpointed_layers():
             student = decoder(

@@ -100,23 +100,10 @@ def leank_student_attention(
         query = query[:, sp.head_slice(query.shape[1], group)]
         kv_heads = sp.head_slice(key.shape[1], group)
         key, value, channel_scale = key[:, kv_heads], value[:, kv_heads], channel_scale[kv_heads]
-    q_len, c_len = query.shape[2], ctx_k.shape[2]
+    c_len = ctx_k.shape[2]
     keys = torch.cat([ctx_k.to(key.dtype), key], dim=2)
     values = torch.cat([ctx_v.to(value.dtype), value], dim=2)
-    positions = torch.arange(c_len, c_len + q_len, device=query.device)
-    scale = default_scale(query.shape[-1], scaling)
-    out = leank_attention(
-        query,
-        keys,
-        values,
-        channel_scale,
-        positions,
-        state.sink_size,
-        state.recent_size,
-        scale,
-        skip_zero_heads=state.skip_zero_heads,
-        softcap=softcap,
-    )
+    out = _by_rule(query, keys, values, channel_scale, c_len, state, scaling, softcap)
     if group is not None:
         out = sp.gather_heads(out, group, dim=2)  # [1, Q, Hq, D] on every rank
     return out, None
@@ -141,12 +128,27 @@ def _positional(
         raise NotImplementedError("the positional student does not support sequence parallelism")
     if module.layer_idx in state.dense_layers:
         return dense_attention(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
-    positions = torch.arange(query.shape[2], device=query.device)
-    out = leank_attention(
+    return _by_rule(query, key, value, state.channel_scale[module.layer_idx], 0, state, scaling, softcap), None
+
+
+def _by_rule(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    channel_scale: torch.Tensor,
+    first: int,
+    state: StudentState,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``leank_attention`` of queries at positions ``first, first + 1, ...`` over ``keys`` (key j at position j),
+    by the training rule (``accumu_size`` None) or the positional one."""
+    positions = torch.arange(first, first + query.shape[2], device=query.device)
+    return leank_attention(
         query,
-        key,
-        value,
-        state.channel_scale[module.layer_idx],
+        keys,
+        values,
+        channel_scale,
         positions,
         state.sink_size,
         state.recent_size,
@@ -155,7 +157,6 @@ def _positional(
         softcap=softcap,
         accumu_size=state.accumu_size,
     )
-    return out, None
 
 
 def _dense_after_context(
