@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         for path in args.from_json:
             res = json.loads(path.read_text())
-            measured = p.parse_args(shlex.split(res["command"])[2:]).masks
+            ran = p.parse_args(shlex.split(res["command"])[2:])  # the saved run's own arguments
+            measured = ran.masks
             # a mask given is one the run answered with: the same folder, or a copy of its mask (a run on a
             # candidate's folder before it was copied into hub/)
             found = {m: next((x for x in measured if same_mask(m, x)), None) for m in args.masks}
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             theirs = dict(zip(measured, mask_tags([ChannelMask.from_pretrained(m) for m in measured]), strict=True))
             theirs = {m: theirs[found[m]] for m in args.masks}
             res = {**res, **renamed(res, {m: m for m in res["methods"]})}  # JSON's string keys summarized afresh
-            runs.append({**res, "tags": [theirs[m] for m in args.masks]})
+            runs.append({**res, "tags": [theirs[m] for m in args.masks], "ran": ran})
     else:
         try:
             tasks = [task_variant(t) for t in args.tasks]
@@ -146,16 +147,15 @@ def main(argv: list[str] | None = None) -> None:
         runs.append({"command": cmd, "seconds": time.perf_counter() - start, **res})
         if args.json:
             args.json.write_text(json.dumps(runs[0], indent=1, default=str))
-        runs[0]["tags"] = tags
+        runs[0]["tags"], runs[0]["ran"] = tags, args
     for res in runs:
         probes, took = len(res["answers"]), res["seconds"]
-        threads = p.parse_args(shlex.split(res["command"])[2:]).threads  # the run's (a saved run's own)
         print(f"`{res['command']}`\n")
         print(format_table(res))
         if res.get("bytes_per_token"):
             print(f"\n{format_bytes(res)}")
         print(f"\n{probes} probes, {len(res['methods'])} methods, {took / 60:.1f} min wall "
-              f"({probes / took:.3f} probes/s), {threads} torch threads\n")
+              f"({probes / took:.3f} probes/s), {res['ran'].threads} torch threads\n")
     quantised = bool(args.kv_quants or args.random_kv_quants or args.hf_quants) or any(
         name.rsplit("-", 1)[-1] in ("int8", "int4", "int2") for res in runs for name in res["methods"])
     if args.plot:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             for res in runs:
                 tag = res["tags"][i]
                 names = {"full": "full", f"leank-{tag}": "leank", f"random-{tag}": "random", f"think-{tag}": "think"}
-                rule = p.parse_args(shlex.split(res["command"])[2:]).rules[0]  # the rule of the rows the card takes
+                rule = res["ran"].rules[0]  # the rule of the rows the card takes
                 for row in card_results(renamed(res, names), res["command"]):
                     if row.get("metric_config") in ("leank", "random", "think"):
                         row["metric_args"] = {**row.get("metric_args", {}), "rule": rule}
