@@ -7,6 +7,7 @@ main environment (the kernel needs a C++ compiler, not vLLM).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -260,3 +261,62 @@ def test_no_out_of_bounds_read_under_address_sanitizer(tmp_path):
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0 and "asan ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 16], [0, 0, 0], [16, 16, 16]], ids=["mixed", "keeps-nothing", "keeps-all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts):
+    """cpu_decode.write puts exactly the bytes of paged_reference.write_pages where they go: packed rows (kept K,
+    V of heads keeping any, a layer keeping nothing its one padding 0), full rows only into real window blocks,
+    nothing for padding (-1) or the null block; strided K/V as vLLM's qkv split gives them, a layer at a non-zero
+    offset of token-major rows; every other byte (NaN) untouched. kernels.write takes it for these pages."""
+    from leank_infer.vllm.paged_reference import write_pages
+    from leank_infer.vllm.pool import WorkerPlan
+
+    g = torch.Generator().manual_seed(5)
+    mask = random_mask(3, 3, 16, counts, seed=6, align=16)
+    bs, nb, n = 16, 6, 9
+    plan = WorkerPlan.build(mask, [0, 1, 2], block_size=bs)
+    full = 2 * 3 * 16
+    slot = dataclasses.replace(plan.slots[1], window_offset=full)  # the second layer of its window store
+    assert slot.packed_offset > 0
+    wrow = plan.window_row + full
+    packed = torch.full((nb, bs * plan.packed_row + 3), float("nan"), dtype=dtype)[:, : bs * plan.packed_row]
+    window = torch.full((nb, bs * wrow + 5), float("nan"), dtype=dtype)[:, : bs * wrow]
+    packed, window = packed.view(nb, bs, plan.packed_row), window.view(nb, bs, wrow)
+    qkv = torch.randn(n, (2 + 3 + 3) * 16, generator=g).to(dtype)  # q | k | v of each token, like vLLM's
+    k, v = qkv[:, 32:80].view(n, 3, 16), qkv[:, 80:].view(n, 3, 16)
+    packed_slots = torch.tensor([17, -1, 40, 3, 95, -1, 66, 33, 18])
+    window_slots = torch.tensor([20, -1, 5, 0, 90, 31, 15, 16, 47])  # < 16: the null block
+    want_p, want_w = packed.clone(), window.clone()
+    write_pages(want_p, packed_slots, want_w, window_slots, k, v, slot)
+    assert cpu_decode.supports_write(packed, window, k, v)
+    got_p, got_w = packed.clone(), window.clone()
+    cpu_decode.write(got_p, packed_slots, got_w, window_slots, k, v, slot)
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
+    assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))
+    assert not torch.equal(raw(want_w), raw(window))
+    got_p, got_w = packed.clone(), window.clone()
+    kernels.write(got_p, packed_slots.int(), got_w, window_slots.int(), k, v, slot)  # int32 slots too
+    assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))
+
+
+def test_the_write_leaves_fp8_and_odd_tensors_to_the_reference(monkeypatch):
+    """fp8 pages (scales, rounding), mixed dtypes and rows not contiguous take the PyTorch write."""
+    mask = random_mask(1, 3, 16, [5, 0, 16], seed=6, align=16)
+    slot = __import__("leank_infer.vllm.pool", fromlist=["WorkerPlan"]).WorkerPlan.build(mask, [0]).slots[0]
+    pages = torch.zeros(4, 16, 64)
+    k = v = torch.zeros(2, 3, 16)
+    assert cpu_decode.supports_write(pages, pages, k, v)
+    assert not cpu_decode.supports_write(pages.to(torch.uint8), pages.to(torch.uint8), k, v, torch.float8_e4m3fn)
+    assert not cpu_decode.supports_write(pages, pages, k.double(), v.double())
+    assert not cpu_decode.supports_write(pages, pages, k.to(torch.bfloat16), v)
+    assert not cpu_decode.supports_write(pages, pages, torch.zeros(2, 16, 3).transpose(1, 2), v)
+    monkeypatch.setattr(cpu_decode, "write", lambda *a: pytest.fail("the C write was called"))
+    from leank_infer.vllm import paged_reference
+
+    calls = []
+    monkeypatch.setattr(kernels, "write_pages", lambda *a: calls.append(a[-1]))
+    kernels.write(pages.to(torch.uint8), torch.zeros(2, dtype=torch.long), pages.to(torch.uint8),
+                  torch.zeros(2, dtype=torch.long), k, v, slot, 1.0, 1.0, torch.float8_e4m3fn)  # fmt: skip
+    assert calls == [torch.float8_e4m3fn] and paged_reference.write_pages is not None

@@ -468,3 +468,50 @@ extern "C" int leank_cpu_decode(const Args *A) {
 }
 
 extern "C" int leank_cpu_decode_tile(void) { return TILE; }
+
+// The step's K/V into the pages (what paged_reference.write_pages does in PyTorch, without its dozen small tensor
+// ops per layer): token i's packed row (kept K channels k_index, then V columns v_index, zero padding up to width)
+// at packed slot ps[i] >= 0, its full row (K then V, every channel) at window slot ws[i] >= block_size (-1 pads,
+// [0, block_size) is the null block). K/V rows [Hkv * D] contiguous, tokens k_stride / v_stride elements apart;
+// pages of the model's dtype (elem bytes); a slot's row at base + (slot / bs) * block_stride + (slot % bs) * row.
+struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
+    int64_t n, HD, block_size, elem;
+    const void *k, *v;
+    int64_t k_stride, v_stride;
+    void *packed, *window;
+    int64_t packed_block_stride, packed_row, window_block_stride, window_row;
+    const int64_t *packed_slots, *window_slots;
+    const int64_t *k_index, *v_index;
+    int64_t nk, nv, width;
+};
+
+template <class T>
+static void write_rows(const WArgs &A) {
+    const T *k = (const T *)A.k, *v = (const T *)A.v;
+    const int64_t bs = A.block_size, HD = A.HD;
+    for (int64_t i = 0; i < A.n; i++) {
+        const T *ki = k + i * A.k_stride, *vi = v + i * A.v_stride;
+        const int64_t p = A.packed_slots[i];
+        if (p >= 0) {
+            T *row = (T *)A.packed + (p / bs) * A.packed_block_stride + (p % bs) * A.packed_row;
+            for (int64_t j = 0; j < A.nk; j++) row[j] = ki[A.k_index[j]];
+            for (int64_t j = 0; j < A.nv; j++) row[A.nk + j] = vi[A.v_index[j]];
+            for (int64_t j = A.nk + A.nv; j < A.width; j++) row[j] = (T)0;
+        }
+        const int64_t w = A.window_slots[i];
+        if (w >= bs) {
+            T *row = (T *)A.window + (w / bs) * A.window_block_stride + (w % bs) * A.window_row;
+            memcpy(row, ki, sizeof(T) * (size_t)HD);
+            memcpy(row + HD, vi, sizeof(T) * (size_t)HD);
+        }
+    }
+}
+
+extern "C" int leank_cpu_write(const WArgs *A) {
+    if (A->block_size <= 0 || A->nk + A->nv > A->width) return 2;
+    switch (A->elem) {
+        case 4: write_rows<uint32_t>(*A); return 0;
+        case 2: write_rows<uint16_t>(*A); return 0;
+        default: return 2;
+    }
+}

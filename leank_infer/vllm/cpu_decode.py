@@ -85,9 +85,34 @@ class _Args(ctypes.Structure):
     ]
 
 
+class _WArgs(ctypes.Structure):
+    """The write's ``struct WArgs`` (cpu_decode.cpp), field for field."""
+
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("n", "HD", "block_size", "elem")],
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_stride", ctypes.c_int64),
+        ("v_stride", ctypes.c_int64),
+        ("packed", ctypes.c_void_p),
+        ("window", ctypes.c_void_p),
+        *[
+            (n, ctypes.c_int64)
+            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
+        ],
+        ("packed_slots", ctypes.c_void_p),
+        ("window_slots", ctypes.c_void_p),
+        ("k_index", ctypes.c_void_p),
+        ("v_index", ctypes.c_void_p),
+        *[(n, ctypes.c_int64) for n in ("nk", "nv", "width")],
+    ]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.leank_cpu_decode.restype = ctypes.c_int
     lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
+    lib.leank_cpu_write.restype = ctypes.c_int
+    lib.leank_cpu_write.argtypes = [ctypes.POINTER(_WArgs)]
 
 
 LIBRARY = NativeLibrary(SOURCE_PATH, "vllm-kernel", ENV_SWITCH, "CPU decode kernel", _declare, log)
@@ -122,6 +147,76 @@ def supports(
         and window.stride(2) == 1
         and window.stride(1) == window.shape[2]
     )
+
+
+def supports_write(
+    packed: torch.Tensor, window: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: torch.dtype | None = None
+) -> bool:
+    """Whether :func:`write` covers these tensors: CPU pages of the model's own 2- or 4-byte dtype (fp8 pages take
+    the PyTorch write: they need the scales and a rounding), rows contiguous in each block and in K/V."""
+    return (
+        fp8 is None
+        and all(t.device.type == "cpu" for t in (packed, window, k, v))
+        and packed.dtype == window.dtype == k.dtype == v.dtype
+        and k.element_size() in (2, 4)
+        and packed.stride(2) == 1
+        and window.stride(2) == 1
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+    )
+
+
+def write(
+    packed: torch.Tensor,
+    packed_slots: torch.Tensor,
+    window: torch.Tensor,
+    window_slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot: LayerSlot,
+) -> None:
+    """:func:`leank_infer.vllm.paged_reference.write_pages` in one call (no fp8: see :func:`supports_write`):
+    the step's K/V ``[n, Hkv, D]`` into this layer's packed rows and, where the window block is real, full rows."""
+    if not available():
+        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
+    const, _ = _write_layout(slot)
+    a = _WArgs.from_buffer_copy(const)
+    ps, ws = _slots(packed_slots), _slots(window_slots)
+    a.n, a.HD, a.block_size, a.elem = k.shape[0], k.shape[1] * k.shape[2], packed.shape[1], k.element_size()
+    a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+    item = packed.element_size()  # the layer's columns start at its offsets into the rows
+    a.packed = packed.data_ptr() + slot.packed_offset * item
+    a.window = window.data_ptr() + slot.window_offset * item
+    a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
+    a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
+    a.packed_slots, a.window_slots = ps.data_ptr(), ws.data_ptr()
+    a.width = slot.layout.width
+    if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
+        raise RuntimeError(f"the LeanK CPU write got bad arguments (packed row {packed.shape[2]} for {slot.layout})")
+
+
+def _slots(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+_write_cache: dict[int, tuple[LayerSlot, _WArgs, tuple[torch.Tensor, ...]]] = {}
+
+
+def _write_layout(slot: LayerSlot) -> tuple[_WArgs, tuple[torch.Tensor, ...]]:
+    """The write's constant part for one layer: its kept K columns and V columns (built once)."""
+    hit = _write_cache.get(id(slot))
+    if hit is not None and hit[0] is slot:
+        return hit[1], hit[2]
+    k_index = slot.layout.k_index.to("cpu", torch.int64).contiguous()
+    v_index = slot.layout.v_index.to("cpu", torch.int64).contiguous()
+    keep = (k_index, v_index)
+    a = _WArgs()
+    a.k_index, a.v_index = k_index.data_ptr(), v_index.data_ptr()
+    a.nk, a.nv = k_index.numel(), v_index.numel()
+    _write_cache[id(slot)] = (slot, a, keep)
+    return a, keep
 
 
 _layer_cache: dict[int, tuple[LayerSlot, _Args, tuple[torch.Tensor, ...]]] = {}

@@ -133,9 +133,14 @@ def write(
     fp8: torch.dtype | None = None,
 ) -> None:
     """The step's K/V ``[n, Hkv, D]`` into this layer's packed columns (slot ``>= 0``) and window columns (slot
-    ``>= block_size``); on CUDA without host syncs (capturable)."""
-    fn = triton_paged.write if triton_paged.handles(k) else write_pages
-    fn(packed, packed_slots, window, window_slots, k, v, slot, k_scale, v_scale, fp8)
+    ``>= block_size``); on CUDA without host syncs (capturable), on the CPU one call of the C kernel's library
+    (fp8 pages: the PyTorch reference, which scales and rounds)."""
+    if triton_paged.handles(k):
+        triton_paged.write(packed, packed_slots, window, window_slots, k, v, slot, k_scale, v_scale, fp8)
+    elif cpu_decode.supports_write(packed, window, k, v, fp8) and cpu_decode.available():
+        cpu_decode.write(packed, packed_slots, window, window_slots, k, v, slot)
+    else:
+        write_pages(packed, packed_slots, window, window_slots, k, v, slot, k_scale, v_scale, fp8)
 
 
 def prepare(plan: WorkerPlan, device: torch.device) -> None:
