@@ -1,0 +1,28 @@
+"""benchmarks/vllm_throughput.py's bookkeeping (no engine): equal-batch rows are the fastest of each side's fresh
+engines, every try stays in the table, and the ratio is LeanK's best over plain's best."""
+
+from __future__ import annotations
+
+from conftest import load_benchmark
+
+
+def row(engine: str, batch, tok_s: float, running: int = 4) -> dict:  # noqa: ANN001
+    return dict(engine=engine, threads=2, context=2048, batch=batch, tok_s=tok_s, tok_cpu_s=tok_s / 2, running=running)
+
+
+def test_each_side_keeps_its_fastest_engine_and_every_try():
+    bench = load_benchmark("vllm_throughput")
+    tries = [row("plain", 4, 50.0), row("leank", 4, 40.0), row("plain", 4, 45.0), row("leank", 4, 60.0),
+             row("plain", 16, 90.0), row("leank", 16, 99.0)]  # fmt: skip
+    best = {(r["engine"], r["batch"]): r for r in bench.best_of(tries)}
+    assert len(best) == 4
+    assert best["plain", 4]["tok_s"] == 50.0 and best["plain", 4]["tries"] == [50.0, 45.0]
+    assert best["leank", 4]["tok_s"] == 60.0 and best["leank", 4]["tok_cpu_s"] == 30.0
+    assert best["leank", 4]["tries"] == [40.0, 60.0]
+    rows = list(best.values()) + [row("plain", "max", 45.0, 11), row("leank", "max", 60.0, 24)]
+    text = bench.table(rows, "hub/smollm2-135m-instruct-s3", 2, repeats=2)
+    assert "the fastest of 2 fresh engines per side" in text
+    assert "| 2 | 2048 | 4 | 50.0 (25.0) | 60.0 (30.0) | 1.20x | 50.0, 45.0 / 40.0, 60.0 |" in text
+    assert "| 2 | 2048 | max (11 vs 24) | 45.0 (22.5) | 60.0 (30.0) | 1.33x |  |" in text
+    one = bench.table(rows, "hub/smollm2-135m-instruct-s3", 2)
+    assert "fastest" not in one and "every try" not in one
