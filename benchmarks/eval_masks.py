@@ -13,7 +13,8 @@ probes: the first rule's methods keep the names above, the others' get the rule 
 ``--from-json F --card`` writes the cards from a run saved with ``--json F`` (the masks given must be among
 the run's, in any order), next to the command that measured them, without answering again. Several saved runs (``--from-json F1K F4K F8K``, say
 one per length, each with its own probes per task) give each card the rows of all of them, each row next to
-the command that measured it. ``--tasks`` takes variants of the suite's tasks too (``passkey:haystacks=filler``,
+the command that measured it; ``--card-add`` keeps the rows a card already holds from other commands (a run
+added to a card, say a new length). ``--tasks`` takes variants of the suite's tasks too (``passkey:haystacks=filler``,
 ``niah_multikey:distractors=0``: ``leank_train.evaluation.tasks.task_variant``), answered and saved under their own
 names (``passkey[haystacks=filler]``). ``--sweep-plot PNG`` draws the masks' headline scores and cache bytes against
 their ratios at every length of the run(s) (with ``--card``, into each mask's card, this command under it).
@@ -43,7 +44,7 @@ import torch
 
 from leank_infer import ChannelMask, LeanKModel
 from leank_infer.decode.rule import DENSE_PREFILL, RULES
-from leank_infer.hub.card import write_model_card
+from leank_infer.hub.card import read_eval_record, write_model_card
 from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
 from leank_train.evaluation.methods import Full, Learned, QuantizedKV, RandomChannels, ThinK
@@ -87,12 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", type=Path, default=None, help="bytes per token vs headline score (Pareto figure)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--card", action="store_true", help="rewrite each mask's model card with its rows")
+    p.add_argument("--card-add", action="store_true",
+                   help="with --card: keep the card's rows measured by other commands (a run's own rows are replaced)")
     p.add_argument("--from-json", type=Path, nargs="+", default=None,
                    help="no evaluation: the results of earlier runs' --json (each answered with every mask given)")
     p.add_argument("--sweep-plot", type=Path, default=None,
                    help="draw the masks' headline score and bytes against their ratio at each length (a .png)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    if args.card_add and not args.card:
+        p.error("--card-add adds a run's rows to the cards: give --card too")
     cmd = shlex.join(["python", "benchmarks/eval_masks.py", *argv])
     torch.set_num_threads(args.threads)
     lm = LeanKModel.from_pretrained(args.masks[0])
@@ -191,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                     if row.get("metric_config") in ("leank", "random", "think"):
                         row["metric_args"] = {**row.get("metric_args", {}), "rule": rule}
                     rows.append(row)
+            if args.card_add:  # the card's rows of other commands stay, in front of this run's
+                commands = {res["command"] for res in runs}
+                rows = [r for r in read_eval_record(Path(path)).get("results", []) if r.get("command") not in commands] + rows
             write_model_card(path, rows, figures=figures or None,
                              figure_files=[args.sweep_plot] if args.sweep_plot else ())
             print(f"card: {path}")

@@ -115,3 +115,26 @@ def test_tasks_take_variants_the_run_names_them_by(eval_masks, tmp_path, monkeyp
     assert "passkey[haystacks=filler]" in (mask_dir / "README.md").read_text()
     with pytest.raises(SystemExit, match="no parameter 'depth'"):
         eval_masks.main([str(mask_dir), "--lengths", "300", "--tasks", "passkey:depth=2", "--no-baselines"])
+
+
+def test_card_add_keeps_the_rows_of_other_commands(eval_masks, tmp_path, capsys):
+    """A run added to a card (--card --card-add: a new length) keeps the rows other commands measured; adding the
+    same run again replaces its own rows instead of doubling them; plain --card replaces every row."""
+    mask_dir, _ = tiny_repo(tmp_path)
+    common = [str(mask_dir), "--tasks", "passkey", "--threads", "1", "--seed", "0", "--no-baselines"]
+    eval_masks.main([*common, "--lengths", "300", "--samples", "2", "--card"])
+    first = json.loads((mask_dir / EVAL_FILE).read_text())["results"]
+    assert {r["dataset_args"]["length"] for r in first} == {300}
+    out = tmp_path / "run400.json"
+    eval_masks.main([*common, "--lengths", "400", "--samples", "2", "--json", str(out)])
+    for _ in range(2):
+        eval_masks.main([str(mask_dir), "--from-json", str(out), "--card", "--card-add"])
+        rows = json.loads((mask_dir / EVAL_FILE).read_text())["results"]
+        assert rows[: len(first)] == first
+        assert len(rows) == 2 * len(first) and {r["dataset_args"]["length"] for r in rows[len(first):]} == {400}
+    text = (mask_dir / "README.md").read_text()
+    assert first[0]["command"] in text and json.loads(out.read_text())["command"] in text
+    eval_masks.main([str(mask_dir), "--from-json", str(out), "--card"])
+    assert {r["dataset_args"]["length"] for r in json.loads((mask_dir / EVAL_FILE).read_text())["results"]} == {400}
+    with pytest.raises(SystemExit):
+        eval_masks.main([str(mask_dir), "--from-json", str(out), "--card-add"])
