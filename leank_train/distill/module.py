@@ -33,6 +33,7 @@ from leank_infer.mask import (
 
 from .. import sequence_parallel as sp
 from ..errors import RecipeError
+from ..heap import fix_mmap_threshold
 from .finite import StopOnNonFinite
 from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState, TeacherState
 from .student_attention import register as register_attention
@@ -186,6 +187,8 @@ class LeanKDistillation(L.LightningModule):
 
     def _attach(self, model: nn.Module) -> None:
         register_attention()
+        if self.hparams.student_rule == "positional":
+            fix_mmap_threshold()  # the whole prompt's scores under grad: bound the host heap (leank_train.heap)
         model.requires_grad_(False)
         model.eval()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
