@@ -87,16 +87,22 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
-# Ratios 0.5-0.9 on the embedded model (docs/evaluation.md, "Results on the embedded model"): stage 2 at 0.5 and 0.6 from the committed 0.7
-# mask's scores (the 0.7 third-stage recipe at those ratios, ~2 min each), then one `leank eval` pass over the
-# five masks (the third-stage 0.7 and 0.8 and the 0.9 from hub/) on the suite's four tasks the full model can pass,
-# the figure into each mask's card.
-SWEEP_EVAL = --tasks niah_single_number niah_single_uuid niah_multikey passkey --lengths 1024 2048 --samples 12 --seed 1234
+# Ratios 0.5-0.9 on the embedded model at 1k-8k (docs/evaluation.md, "Results on the embedded model"): stage 2 at 0.5
+# and 0.6 from the committed 0.7 mask's scores (the 0.7 third-stage recipe at those ratios, ~5 min each), then the
+# five masks (those two, the third-stage 0.7 and 0.8 and the 0.9 from hub/) on the three task variants the full
+# model passes at 4k: 12 probes a task at 1k, 2k and 4k, 4 at 8k (~1 h and ~40 min on one core), and the figure
+# with both runs' rows into each mask's card.
+SWEEP_MASKS = runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct-s3 hub/smollm2-135m-instruct-r80-s3 hub/smollm2-135m-instruct-r90
+SWEEP_TASKS = --tasks passkey:haystacks=filler niah_single_number:haystacks=filler niah_multikey:distractors=0,haystacks=filler
 sweep: $(STAMP)
 	for r in 50 60; do $(VENV)/bin/leank run recipes/smollm2-135m-s3.yaml --stage 2 --ratio 0.$$r --evaluate.enabled false \
 	  --out_dir runs/sweep/r$$r-root --mask_dir runs/sweep/r$$r || exit 1; done
-	$(VENV)/bin/leank eval runs/sweep/r50 runs/sweep/r60 hub/smollm2-135m-instruct-s3 hub/smollm2-135m-instruct-r80-s3 \
-	  hub/smollm2-135m-instruct-r90 $(SWEEP_EVAL) --plot runs/sweep/ratio_sweep.png --json runs/sweep/ratio_sweep.json --card
+	$(PY) benchmarks/eval_masks.py $(SWEEP_MASKS) --lengths 1024 2048 4096 --samples 12 --seed 1234 $(SWEEP_TASKS) \
+	  --threads 1 --no-baselines --json runs/sweep/sweep_1k4k.json
+	$(PY) benchmarks/eval_masks.py $(SWEEP_MASKS) --lengths 8192 --samples 4 --seed 1234 $(SWEEP_TASKS) \
+	  --threads 1 --no-baselines --json runs/sweep/sweep_8k.json
+	$(PY) benchmarks/eval_masks.py $(SWEEP_MASKS) --from-json runs/sweep/sweep_1k4k.json runs/sweep/sweep_8k.json \
+	  --sweep-plot runs/sweep/ratio_sweep.png --card --card-add
 
 # Mutation testing (not in CI: slow): mutmut breaks the core modules one change at a time and runs the tests
 # that cover each change; one pass per module, each with its own narrow tests ([tool.leank-mutants.*] in

@@ -64,12 +64,21 @@ def eval_record(folder: Path) -> dict[str, Any]:
 
 def headline(folder: Path) -> dict[str, Any] | None:
     """The mask's headline at its shortest evaluated length, from ``eval.json``: the full model's and the
-    mask's mean over the tasks the full model passes, the share, lost/gained probes, and the command."""
+    mask's mean over the tasks the full model passes, the share, lost/gained probes, and the command. Where
+    several runs measured that length (a report run and a ratio sweep's), the one with the most probes."""
     rows = [r for r in eval_record(folder).get("results", []) if (r.get("dataset_args") or {}).get("task") == "headline"]
     if not rows:
         return None
     length = min(r["dataset_args"]["length"] for r in rows)
-    at = {r["metric_config"]: r for r in rows if r["dataset_args"]["length"] == length}
+    rows = [r for r in rows if r["dataset_args"]["length"] == length]
+
+    def probes(command: str | None) -> int:
+        paired = [(r.get("metric_args") or {}).get("paired_vs_full", {}) for r in rows
+                  if r.get("command") == command and r["metric_config"] == "leank"]
+        return max((sum(p.get(k, 0) for k in ("both", "only_full", "only_method")) for p in paired), default=0)
+
+    best = max(dict.fromkeys(r.get("command") for r in rows), key=probes)  # first-written on ties
+    at = {r["metric_config"]: r for r in rows if r.get("command") == best}
     if "full" not in at or "leank" not in at:
         return None
     full, leank = at["full"], at["leank"]

@@ -86,12 +86,16 @@ def plot_ratio_sweep(sweep: dict[str, Any], path: str | Path, command: str | Non
             ax1.axhline(full, color=line[0].get_color(), linestyle="--", linewidth=1,
                         label=f"full model, {length} tok" if i == 0 else None)
     ax1.set_xlabel("fraction of K channels pruned (ratio)")
-    if "tasks" in sweep:  # the suite: a mask's accuracy is its headline score
-        ax1.set_ylabel(f"headline score ({sweep['samples_per_length']} probes per task)")
+    score = "headline score" if "tasks" in sweep else "retrieval accuracy"  # the suite: its headline score
+    probes = f"{sweep['samples_per_length']} probes per {'task' if 'tasks' in sweep else 'length'}"
+    title = "Accuracy vs ratio (dashed: full model)"
+    if len(probes) > 30:  # several runs, probes per length differ: too long for the axis, under the title
+        ax1.set_ylabel(score)
+        title += f"\n{probes}"
     else:
-        ax1.set_ylabel(f"retrieval accuracy ({sweep['samples_per_length']} probes per length)")
+        ax1.set_ylabel(f"{score} ({probes})")
     ax1.set_ylim(-0.05, 1.05)
-    ax1.set_title("Accuracy vs ratio (dashed: full model)")
+    ax1.set_title(title, fontsize=10 if len(probes) > 30 else None)
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     dense = rows[0]["bytes_per_token"]["dense"]
