@@ -201,8 +201,8 @@ def recipes_table(link: Callable[[str], str]) -> str:
 
 
 def suite_table(link: Callable[[str], str]) -> str:
-    """Per task, the full model and each evaluated mask on the same probes (shortest length in ``eval.json``),
-    then each method's headline; cells ``correct/n (-lost/+gained)``; from the committed folders."""
+    """Per task, the full model and each evaluated mask on the same probes (shortest length in ``eval.json``, the
+    run :func:`headline` takes), then each method's headline; cells ``correct/n (-lost/+gained)``."""
     folders = [f for f in mask_folders() if headline(f) is not None]
     if not folders:
         return "No committed mask has evaluation results."
@@ -210,9 +210,10 @@ def suite_table(link: Callable[[str], str]) -> str:
     cells: dict[tuple[str, str, str], dict[str, Any]] = {}
     tasks: list[str] = []
     for folder in folders:
+        run = headline(folder)["command"]  # the run the headline comes from (a card may hold several at a length)
         for r in eval_record(folder)["results"]:
             args = r.get("dataset_args") or {}
-            if args.get("length") != length:
+            if args.get("length") != length or r.get("command") != run:
                 continue
             task = args["task"]
             if task not in tasks:
