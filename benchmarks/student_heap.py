@@ -5,7 +5,7 @@ Each setting runs in a fresh process (the allocator's state is per process): one
 random prompt of ``--length`` tokens. Prints the growth of resident memory over the step (its peak, sampled
 every 10 ms, minus the resident memory before it) and the step's seconds. ``--embedded`` runs
 SmolLM2-135M-Instruct (the wheel's GGUF) from the committed positional mask; the default is a random
-8-layer model (8 query heads, 2 KV heads of 32 channels), which shows the same growth in seconds.
+model of ``--layers`` layers (8; 8 query heads, 2 KV heads of 32 channels), which shows the same growth in seconds.
 
     python benchmarks/student_heap.py --length 2048 [--embedded] [--threads 1]
 """
@@ -23,7 +23,7 @@ import time
 import torch
 
 
-def step(length: int, embedded: bool, fixed: bool, threads: int) -> dict[str, float]:
+def step(length: int, embedded: bool, fixed: bool, threads: int, layers: int = 8) -> dict[str, float]:
     """One student step in this process; the threshold fixed first when ``fixed``."""
     import psutil
 
@@ -46,7 +46,7 @@ def step(length: int, embedded: bool, fixed: bool, threads: int) -> dict[str, fl
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=8,
+        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=layers,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                              max_position_embeddings=max(8192, length))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -73,10 +73,10 @@ def step(length: int, embedded: bool, fixed: bool, threads: int) -> dict[str, fl
             "threshold_set": was_set}
 
 
-def measure(length: int, embedded: bool, fixed: bool, threads: int = 1) -> dict[str, float]:
+def measure(length: int, embedded: bool, fixed: bool, threads: int = 1, layers: int = 8) -> dict[str, float]:
     """:func:`step` in a fresh Python process (without a ``MALLOC_MMAP_THRESHOLD_`` of the caller's)."""
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    args = [sys.executable, __file__, "--length", str(length), "--threads", str(threads), "--child",
+    args = [sys.executable, __file__, "--length", str(length), "--threads", str(threads), "--layers", str(layers), "--child",
             "fixed" if fixed else "default"] + ["--embedded"] * embedded
     out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -87,15 +87,16 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048, help="prompt tokens")
     p.add_argument("--embedded", action="store_true", help="SmolLM2-135M-Instruct instead of the random model")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--layers", type=int, default=8, help="layers of the random model")
     p.add_argument("--child", choices=["default", "fixed"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(step(args.length, args.embedded, args.child == "fixed", args.threads)))
+        print(json.dumps(step(args.length, args.embedded, args.child == "fixed", args.threads, args.layers)))
         return
     print(f"`{' '.join(['python', 'benchmarks/student_heap.py', *sys.argv[1:]])}`\n")
     print("| mmap threshold | resident growth over the step | step seconds |\n|---|---|---|")
     for fixed in (False, True):
-        r = measure(args.length, args.embedded, fixed, args.threads)
+        r = measure(args.length, args.embedded, fixed, args.threads, args.layers)
         name = "fixed at 4 MiB (leank_train.heap)" if fixed else "glibc default (rises)"
         print(f"| {name} | {r['growth_bytes'] / 2**30:.2f} GiB | {r['seconds']:.1f} |")
 
