@@ -264,15 +264,18 @@ def test_readme_mask_table_is_the_generators_output():
 def test_the_table_headline_is_the_run_with_the_most_probes_at_the_shortest_length(tmp_path):
     """A card may hold a report run and a ratio sweep's rows at the same length: the table takes the run with
     more probes there (whichever was written last)."""
-    def row(method, value, command, both, lost, length=1024):
-        return {"dataset_args": {"task": "headline", "length": length}, "metric_config": method, "value": value,
-                "command": command, "metric_args": {"paired_vs_full": {"both": both, "only_full": lost,
-                                                                       "only_method": 0}}}
+    def row(method, value, command, lost, length=1024, task="headline", n=None, both=0):
+        return {"dataset_args": {"task": task, "length": length}, "metric_config": method, "value": value,
+                "command": command,
+                "metric_args": {"n": n, "paired_vs_full": {"both": both, "only_full": lost, "only_method": 0}}}
 
     for order in (1, -1):
-        results = [row("full", 0.933, "report", 70, 0), row("leank", 0.920, "report", 69, 1),
-                   row("full", 1.0, "sweep", 36, 0), row("leank", 1.0, "sweep", 36, 0),
-                   row("leank", 0.5, "long", 500, 9, length=4096)]
+        # the report run's probes are mostly ones neither answers: counted by n, not by the paired answers
+        results = [row("full", 0.933, "report", 0), row("leank", 0.920, "report", 1),
+                   row("leank", 0.3, "report", 1, task="niah_multivalue", n=75, both=22),
+                   row("full", 1.0, "sweep", 0), row("leank", 1.0, "sweep", 0),
+                   row("leank", 1.0, "sweep", 0, task="passkey", n=36, both=36),
+                   row("leank", 0.5, "long", 9, length=4096), row("leank", 0.5, "long", 9, length=4096, task="passkey", n=500)]
         (tmp_path / "eval.json").write_text(json.dumps({"results": results[::order]}))
         h = hooks().headline(tmp_path)
         assert (h["command"], h["full"], h["leank"], h["lost"], h["length"]) == ("report", 0.933, 0.920, 1, 1024)

@@ -66,16 +66,17 @@ def headline(folder: Path) -> dict[str, Any] | None:
     """The mask's headline at its shortest evaluated length, from ``eval.json``: the full model's and the
     mask's mean over the tasks the full model passes, the share, lost/gained probes, and the command. Where
     several runs measured that length (a report run and a ratio sweep's), the one with the most probes."""
-    rows = [r for r in eval_record(folder).get("results", []) if (r.get("dataset_args") or {}).get("task") == "headline"]
+    results = eval_record(folder).get("results", [])
+    rows = [r for r in results if (r.get("dataset_args") or {}).get("task") == "headline"]
     if not rows:
         return None
     length = min(r["dataset_args"]["length"] for r in rows)
     rows = [r for r in rows if r["dataset_args"]["length"] == length]
 
-    def probes(command: str | None) -> int:
-        paired = [(r.get("metric_args") or {}).get("paired_vs_full", {}) for r in rows
-                  if r.get("command") == command and r["metric_config"] == "leank"]
-        return max((sum(p.get(k, 0) for k in ("both", "only_full", "only_method")) for p in paired), default=0)
+    def probes(command: str | None) -> int:  # the run's probes at that length: its per-task rows' n
+        return sum((r.get("metric_args") or {}).get("n", 0) for r in results
+                   if r.get("command") == command and r["metric_config"] == "leank"
+                   and r["dataset_args"].get("length") == length and r["dataset_args"].get("task") != "headline")
 
     best = max(dict.fromkeys(r.get("command") for r in rows), key=probes)  # first-written on ties
     at = {r["metric_config"]: r for r in rows if r.get("command") == best}
@@ -203,14 +204,15 @@ def recipes_table(link: Callable[[str], str]) -> str:
 def suite_table(link: Callable[[str], str]) -> str:
     """Per task, the full model and each evaluated mask on the same probes (shortest length in ``eval.json``, the
     run :func:`headline` takes), then each method's headline; cells ``correct/n (-lost/+gained)``."""
-    folders = [f for f in mask_folders() if headline(f) is not None]
+    heads = {f: h for f in mask_folders() if (h := headline(f)) is not None}
+    folders = list(heads)
     if not folders:
         return "No committed mask has evaluation results."
-    length = min(headline(f)["length"] for f in folders)
+    length = min(h["length"] for h in heads.values())
     cells: dict[tuple[str, str, str], dict[str, Any]] = {}
     tasks: list[str] = []
     for folder in folders:
-        run = headline(folder)["command"]  # the run the headline comes from (a card may hold several at a length)
+        run = heads[folder]["command"]  # the run the headline comes from (a card may hold several at a length)
         for r in eval_record(folder)["results"]:
             args = r.get("dataset_args") or {}
             if args.get("length") != length or r.get("command") != run:
@@ -253,7 +255,7 @@ def suite_table(link: Callable[[str], str]) -> str:
             "| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for method in ("random", "think"):
         out.append(f"| {method} | " + " | ".join(cell(n, "headline", method) for n in names) + " |")
-    tasks_used = headline(folders[0])["tasks"]
+    tasks_used = heads[folders[0]]["tasks"]
     out += ["", f"Headline tasks (the full model at least 80%): {', '.join(tasks_used)}. "
             "Each folder's `eval.json` holds these rows; the commands that measured them are on each mask's page."]
     return "\n".join(out)
