@@ -41,7 +41,6 @@ def step(length: int, embedded: bool, fixed: bool, threads: int, layers: int = 8
                                    init_scores="hub/smollm2-135m-instruct-s3-positional",
                                    activation_checkpointing=True, student_rule="positional")
         module.configure_model()
-        vocab = 49152
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -52,7 +51,6 @@ def step(length: int, embedded: bool, fixed: bool, threads: int, layers: int = 8
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         module = LeanKDistillation.for_model(model, stage=1, ratio=0.5, activation_checkpointing=True,
                                              student_rule="positional")
-        vocab = 128
     proc, peak, done = psutil.Process(), [0], threading.Event()
 
     def watch() -> None:
@@ -60,7 +58,7 @@ def step(length: int, embedded: bool, fixed: bool, threads: int, layers: int = 8
             peak[0] = max(peak[0], proc.memory_info().rss)
             time.sleep(0.01)
 
-    ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, module.llm.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     before = proc.memory_info().rss
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

@@ -20,15 +20,18 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 THRESHOLD = 4 * 1024 * 1024  # SmolLM2's score chunk (9 heads x 256 queries) is above it from 456 keys on
 
 
+def uses_glibc() -> bool:
+    """This process's C library is glibc (the allocator the threshold belongs to)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def fix_mmap_threshold(nbytes: int = THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at ``nbytes`` for this process (True when set; other C libraries: False).
 
     The same as starting the process with ``MALLOC_MMAP_THRESHOLD_=nbytes``; a value the user set there
     wins (nothing is done then), so the allocator stays theirs to tune.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if not uses_glibc() or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))

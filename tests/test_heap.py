@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 from conftest import load_benchmark, tiny_model
 
-glibc = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's allocator only"
-)
+from leank_train.heap import uses_glibc
+
+glibc = pytest.mark.skipif(not uses_glibc(), reason="glibc's allocator only")
 
 
 @glibc

@@ -88,14 +88,11 @@ def plot_ratio_sweep(sweep: dict[str, Any], path: str | Path, command: str | Non
     ax1.set_xlabel("fraction of K channels pruned (ratio)")
     score = "headline score" if "tasks" in sweep else "retrieval accuracy"  # the suite: its headline score
     probes = f"{sweep['samples_per_length']} probes per {'task' if 'tasks' in sweep else 'length'}"
-    title = "Accuracy vs ratio (dashed: full model)"
-    if len(probes) > 30:  # several runs, probes per length differ: too long for the axis, under the title
-        ax1.set_ylabel(score)
-        title += f"\n{probes}"
-    else:
-        ax1.set_ylabel(f"{score} ({probes})")
+    long = len(probes) > 30  # several runs, probes per length differ: too long for the axis, under the title
+    ax1.set_ylabel(score if long else f"{score} ({probes})")
     ax1.set_ylim(-0.05, 1.05)
-    ax1.set_title(title, fontsize=10 if len(probes) > 30 else None)
+    ax1.set_title("Accuracy vs ratio (dashed: full model)" + (f"\n{probes}" if long else ""),
+                  fontsize=10 if long else None)
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     dense = rows[0]["bytes_per_token"]["dense"]
