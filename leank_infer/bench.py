@@ -254,9 +254,9 @@ def bench(
         return estimate_main(estimate, ratio, zero_heads, torch_dtype)
     if dense_until < 0:
         raise UsageError(f"--dense-until: must be >= 0 tokens, got {dense_until}")
-    if dense_until and rule == POSITIONAL:
-        raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {POSITIONAL} (every query, the "
-                         f"prompt's included, follows the rule): drop --dense-until, or use --rule {DENSE_PREFILL}")
+    if dense_until and rule != DENSE_PREFILL:
+        raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {rule} (every generated query "
+                         f"follows the rule by its position): drop --dense-until, or use --rule {DENSE_PREFILL}")
     if threads:
         torch.set_num_threads(threads)
     new_tokens = max(3, new_tokens)

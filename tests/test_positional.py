@@ -229,7 +229,7 @@ def test_rule_options_are_checked():
     mask = random_mask()
     assert LeanKModel(model, mask).rule == "dense-prefill" == RULES[0]
     assert LeanKModel(model, mask).new_cache().layers[0].rule == "dense-prefill"
-    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', got 'vllm'"):
+    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', 'dense-prompt', got 'vllm'"):
         LeanKModel(model, mask, rule="vllm")
     for make in (lambda: LeanKModel(model, mask, dense_until=64, rule="positional"),
                  lambda: LeanKCache(mask, dense_until=64, rule="positional")):

@@ -117,6 +117,7 @@ def test_positional_compressible_is_the_lowest_rows_recent_from():
 
 
 def test_check_rule_names_the_rules():
-    assert check_rule("positional") == "positional" and check_rule("dense-prefill") == "dense-prefill"
-    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', got 'dense'"):
+    for rule in ("positional", "dense-prefill", "dense-prompt"):
+        assert check_rule(rule) == rule
+    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', 'dense-prompt', got 'dense'"):
         check_rule("dense")

@@ -98,7 +98,7 @@ def leank_attention_forward(
     if layer is None and not fed_by_leank_cache and key.shape[2] > query.shape[2]:
         # past keys from another kind of cache: a decode step that would silently run dense
         raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
-    if layer is not None and layer.prefilling and layer.positional:  # the prompt by the rule, over its whole K/V
+    if layer is not None and layer.prefilling and layer.positional_prompt:  # the prompt by the rule, over its whole K/V
         _check_row_starts(layer, attention_mask, query.shape[0])
         out = positional_prefill_attention(
             query, key, value, layer.groups.keep, layer.starts, layer.sink_size, layer.recent_size,

@@ -26,7 +26,9 @@ each update the layer moves to the middle every key that is a middle key for the
 (:func:`~leank_infer.decode.rule.positional_compressible`). With left padding, rows reach a key at
 different steps: a tail key that is already middle for some row is scored with the kept channels there
 (``DecodeMasks.tail_mid``). Several tokens at once (chunked prefill, assisted decoding) then give what one
-prefill gives.
+prefill gives. ``"dense-prompt"`` is the positional rule with a dense prompt: the forward that fills the empty
+layer attends with every channel (as under ``"dense-prefill"``), every later query by its position (as under
+``"positional"``); it is what the vLLM plugin serves by default.
 
 ``dense_until`` (default 0: off) is the documented switch for short contexts: while a layer holds
 fewer tokens than that (padded length, before a forward's new tokens), it keeps every token's full
@@ -73,10 +75,10 @@ MID_ALIGN = 16  # middle capacity is a multiple of this: the GPU kernel then mov
 def check_rule_options(rule: str, dense_until: int) -> str:
     """``rule`` if it is a known rule and ``dense_until`` fits it, else one ValueError saying what is wrong."""
     check_rule(rule)
-    if rule == POSITIONAL and dense_until:
+    if rule != DENSE_PREFILL and dense_until:
         raise ValueError(
-            f"dense_until={dense_until} has no meaning under rule={POSITIONAL!r}: every query, the prompt's "
-            f"included, follows the rule from position 0 on; use dense_until=0, or rule={DENSE_PREFILL!r}"
+            f"dense_until={dense_until} has no meaning under rule={rule!r}: every generated query follows the "
+            f"rule by its position from the first on; use dense_until=0, or rule={DENSE_PREFILL!r}"
         )
     return rule
 
@@ -175,14 +177,20 @@ class LeanKLayer(CacheLayerMixin):
     # ---- sizes and views -----------------------------------------------------------------------
     @property
     def positional(self) -> bool:
-        """Whether this layer follows the positional rule (:data:`~leank_infer.decode.rule.POSITIONAL`)."""
+        """Whether this layer's decoding queries follow :func:`~leank_infer.decode.rule.positional_recent_from`
+        (the ``"positional"`` and ``"dense-prompt"`` rules) rather than the schedule anchored at the prompt's end."""
+        return self.rule != DENSE_PREFILL
+
+    @property
+    def positional_prompt(self) -> bool:
+        """Whether the prompt's own attention follows the rule too (``"positional"``), rather than being dense."""
         return self.rule == POSITIONAL
 
     @property
     def dense_now(self) -> bool:
-        """Whether this forward's attention is the model's dense one: the prefill (dense-prefill rule), or a
-        step under ``dense_until``."""
-        return (self.prefilling and not self.positional) or self.deferred
+        """Whether this forward's attention is the model's dense one: the prefill (every rule but positional),
+        or a step under ``dense_until``."""
+        return (self.prefilling and not self.positional_prompt) or self.deferred
 
     @property
     def head_k(self) -> torch.Tensor:
@@ -629,7 +637,8 @@ def fill_from_prefill(
     own prefill: one dense prefill can serve a dense cache and LeanK caches alike (the benchmark, the
     evaluation). ``position_ids`` give left-padded rows their starts, as ``generate`` numbers them.
     Not for a ``rule="positional"`` cache: its prompt's attention depends on the mask, so a dense prefill's
-    K/V (past the first layer) are not what its own prefill computes.
+    K/V (past the first layer) are not what its own prefill computes (``"dense-prompt"`` is fine: its prompt
+    attends densely).
     """
     if getattr(cache, "rule", DENSE_PREFILL) == POSITIONAL:
         raise ValueError(

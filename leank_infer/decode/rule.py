@@ -86,11 +86,15 @@ def positional_compressible(length: int, row_starts: torch.Tensor, recent_size: 
 
 
 #: The rules the HF path decodes with: ``"dense-prefill"`` (the prompt attends with every channel; decoding
-#: follows the schedule :func:`recent_from`, anchored at the prompt's end) and ``"positional"`` (every query,
-#: prompt and generated alike, by :func:`positional_recent_from`: what vLLM's chunked prefill can reproduce).
+#: follows the schedule :func:`recent_from`, anchored at the prompt's end), ``"positional"`` (every query,
+#: prompt and generated alike, by :func:`positional_recent_from`) and ``"dense-prompt"`` (the prompt attends
+#: with every channel, every generated token by :func:`positional_recent_from`). The last two are what vLLM's
+#: chunked prefill and prefix cache can reproduce: each query's keys depend on its position and, under
+#: ``"dense-prompt"``, on the prompt's length, never on how the prompt was scheduled.
 DENSE_PREFILL = "dense-prefill"
 POSITIONAL = "positional"
-RULES = (DENSE_PREFILL, POSITIONAL)
+DENSE_PROMPT = "dense-prompt"
+RULES = (DENSE_PREFILL, POSITIONAL, DENSE_PROMPT)
 
 
 def check_rule(rule: str) -> str:

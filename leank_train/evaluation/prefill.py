@@ -120,7 +120,7 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, w
 
 
 def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str | None = None,
-                  hf_quant: tuple[str, int, int] | None = None) -> Any:
+                  hf_quant: tuple[str, int, int] | None = None, rule: str = DENSE_PREFILL) -> Any:
     """A cache holding the prefill's K/V as ``mask``'s own prefill would store them (None: a dense cache;
     ``kv_quant``: a LeanK cache with a quantised middle; ``hf_quant`` (backend, bits, group): transformers'
     ``QuantizedCache``, every channel)."""
@@ -128,7 +128,7 @@ def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str
 
     config = lm.model.config
     if mask is not None:
-        cache = LeanKCache(mask, config=config, kv_quant=kv_quant)
+        cache = LeanKCache(mask, config=config, kv_quant=kv_quant, rule=rule)
     elif hf_quant is not None:
         cache = QuantizedCache(hf_quant[0], config, nbits=hf_quant[1], q_group_size=hf_quant[2])
     else:
@@ -165,7 +165,7 @@ def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
     if max_new_tokens > 1 and not all(int(t) in eos for t in pre.first):
         ids = torch.cat([pre.input_ids, first], -1)
         attn = torch.cat([pre.attention_mask, torch.ones_like(first)], -1)
-        cache = _filled_cache(lm, mask, pre, kv_quant, hf_quant)
+        cache = _filled_cache(lm, mask, pre, kv_quant, hf_quant, rule)
         with lm.dense() if mask is None else contextlib.nullcontext():
             out = lm.model.generate(input_ids=ids, attention_mask=attn, **{CACHE_KWARG: cache},
                                     max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=pad)
