@@ -1,6 +1,6 @@
 """Accuracy on the evaluation suite through vLLM: plain and LeanK, fp32 and fp8 KV, side by side in one run.
 
-    .venv/bin/python benchmarks/vllm_suite.py [--mask hub/smollm2-135m-instruct-s3] [--lengths 1024 2048]
+    .venv/bin/python benchmarks/vllm_suite.py [--mask hub/smollm2-135m-instruct-s3] [--rule dense-prompt] [--lengths 1024 2048]
         [--samples 25] [--seed 1234] [--tasks ...] [--at 2048:45:niah_single_number,passkey ...]
         [--engines vllm-fp32 vllm-fp8 leank-fp32 leank-fp8] [--threads 2] [--kv-gib 2]
         [--vllm-python .venv-vllm/bin/python] [--json out.json] [--work DIR] [--save]
@@ -18,7 +18,7 @@ defaults otherwise (prefix caching and chunked prefill on), ``VLLM_CPU_KVCACHE_S
   suite's table (every paired count there is against it, and its >= 80% tasks make the headline);
 - ``vllm-fp8``: plain vLLM, ``kv_cache_dtype="fp8"``;
 - ``leank-fp32`` / ``leank-fp8``: the same with the mask, ``additional_config={"leank_mask": --mask}``
-  (vLLM serves LeanK's positional rule, docs/vllm.md).
+  (vLLM serves LeanK's dense-prompt rule unless ``--rule positional``, docs/vllm.md).
 
 The answers (token ids up to the end of sequence) are decoded and scored here with the suite's own
 functions (``correct``, ``stats.summarize``, ``report.format_table``): per cell a Wilson interval, paired
@@ -161,7 +161,7 @@ def run_engine(args: argparse.Namespace, engine: str, probes_file: Path, out_fil
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
     cmd = [args.vllm_python, __file__, "--child", "--probes", str(probes_file), "--out", str(out_file),
-           "--kv-dtype", dtype, "--mask", args.mask if with_mask else ""]  # fmt: skip
+           "--kv-dtype", dtype, "--mask", args.mask if with_mask else "", "--rule", args.rule]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if run.returncode or not out_file.exists():
         sys.exit(f"engine {engine} failed:\n{run.stderr[-4000:]}")
@@ -171,6 +171,8 @@ def run_engine(args: argparse.Namespace, engine: str, probes_file: Path, out_fil
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_suite.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=DEFAULT_MASK)
+    p.add_argument("--rule", default="dense-prompt", choices=["dense-prompt", "positional"],
+                   help="the rule the LeanK engines serve (additional_config leank_rule)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--samples", type=int, default=25, help="probes per task and length")
     p.add_argument("--seed", type=int, default=1234)
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                 old.unlink()
         probes_file.write_text(text)
         for engine in [REFERENCE, *(e for e in args.engines if e != REFERENCE)]:
-            out_file = work / f"{engine}-{Path(args.mask).name}.json" if ENGINES[engine][0] else work / f"{engine}.json"
+            out_file = (work / f"{engine}-{Path(args.mask).name}-{args.rule}.json" if ENGINES[engine][0]
+                        else work / f"{engine}.json")
             if out_file.exists():
                 print(f"{engine}: the answers in {out_file}", flush=True)
                 out = json.loads(out_file.read_text())
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "Per task (cells: correct/probes, accuracy, Wilson 95% interval, paired counts against `full`, plain vLLM "
         "with fp32 KV):", "",
         format_table(res), "",
-        f"mask {args.mask}; embedded SmolLM2-135M-Instruct, fp32 weights, vLLM defaults, {args.threads} threads, "
+        f"mask {args.mask}, rule {args.rule}; embedded SmolLM2-135M-Instruct, fp32 weights, vLLM defaults, {args.threads} threads, "
         f"{os.cpu_count()} CPUs; " + ", ".join(f"{e} {s / 60:.1f} min" for e, s in seconds.items()),
     ])  # fmt: skip
     print(f"\n`{cmd}`\n")
@@ -257,7 +260,7 @@ def child(args: argparse.Namespace) -> None:
 
     probes = json.loads(args.probes.read_text())
     longest = max(len(r["prompt_token_ids"]) + r["max_new_tokens"] for r in probes)
-    extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
+    extra = {"additional_config": {"leank_mask": args.mask, "leank_rule": args.rule}} if args.mask else {}
     start = time.perf_counter()
     llm = LLM(model=model_dir(), dtype="float32", max_model_len=longest, kv_cache_dtype=args.kv_dtype, **extra)
     ready = time.perf_counter()

@@ -65,3 +65,48 @@ def test_prefill_chunk_equals_the_reference(length, cached, counts, q_heads, dty
     assert got.dtype == dtype and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("length", "cached", "fp8", "dtype"),
+    [
+        (700, 0, None, torch.float32),  # a whole prompt
+        (700, 300, None, torch.float32),  # a later chunk: the earlier prompt's full rows from the window pages
+        (2100, 1030, None, torch.bfloat16),  # several query chunks inside, the model's dtype
+        (400, 250, "e4m3", torch.float32),  # fp8 pages: bytes scaled back
+    ],
+)
+def test_dense_prompt_chunk_is_causal_attention_over_every_channel(length, cached, fp8, dtype):
+    """The dense-prompt rule's prompt chunk (the window pages' full rows, then SDPA) is the model's causal
+    attention over every key and channel, from any cached prefix; a middle key's dropped channels count."""
+    from leank_infer.vllm.kernels import dense_prefill
+    from leank_infer.vllm.paged_reference import request_full_kv
+
+    mask = random_mask(2, 3, 64, [3, 0, 64], seed=length)
+    pages = random_pages(mask, [max(cached, 1)], layer=0, q_heads=6, fp8=fp8, whole_window=True,
+                         dtype=torch.float32 if fp8 else dtype)  # fmt: skip
+    g = torch.Generator().manual_seed(cached)
+    n = length - cached
+    q = torch.randn(n, 6, 64, generator=g).to(dtype)
+    new = (torch.randn(n, 3, 64, generator=g).to(dtype), torch.randn(n, 3, 64, generator=g).to(dtype))
+    k, v = request_full_kv(pages.plan, pages.slot, pages.window, pages.window_table[0], cached, *new, dtype,
+                           pages.k_scale, pages.v_scale, pages.fp8)  # fmt: skip
+    keys = torch.cat([pages.keys[0][:cached].to(dtype), new[0]]).float()
+    values = torch.cat([pages.values[0][:cached].to(dtype), new[1]]).float()
+    torch.testing.assert_close(k.float(), keys)
+    scale = 64**-0.5
+    got = dense_prefill(q, k, v, cached, scale, q_chunk=512)
+    # the rule over full K/V with every channel kept: every key whole, causal
+    want = leank_attention(
+        q.float().transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        torch.ones(3, 64), torch.arange(cached, length), mask.sink_size, mask.recent_size, scale,
+        accumu_size=mask.accumu_size,
+    )[0]  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    pruned = leank_attention(
+        q.float().transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        mask.keep[0].float(), torch.arange(cached, length), mask.sink_size, mask.recent_size, scale,
+        skip_zero_heads=True, accumu_size=mask.accumu_size,
+    )[0]  # fmt: skip
+    assert not torch.allclose(got.float(), pruned, rtol=tol, atol=tol)

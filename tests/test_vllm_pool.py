@@ -82,3 +82,16 @@ def test_a_mask_that_fits_the_shape_but_not_the_model_is_refused_in_vllm_as_in_t
             load_checked_mask(settings_from({"leank_mask": str(tmp_path / name), "leank_check_base_model": False}), cfg)
     ChannelMask(keep, **base).save_pretrained(tmp_path / "fits")
     assert load_checked_mask(settings_from({"leank_mask": str(tmp_path / "fits")}), cfg).num_layers == 30
+
+
+def test_the_served_rule_is_dense_prompt_unless_named_and_an_unknown_one_is_refused():
+    """``leank_rule``: dense-prompt by default (its plan keeps prompt rows), positional when named, and one error
+    naming the two for anything else (dense-prefill cannot be served: it depends on how a prompt is scheduled)."""
+    assert settings_from({"leank_mask": "m"}).rule == "dense-prompt" and settings_from({"leank_mask": "m"}).dense_prompt
+    positional = settings_from({"leank_mask": "m", "leank_rule": "positional"})
+    assert positional.rule == "positional" and not positional.dense_prompt
+    with pytest.raises(MaskError, match=r"leank_rule'\] must be one of \['dense-prompt', 'positional'\], got 'dense-prefill'"):
+        settings_from({"leank_mask": "m", "leank_rule": "dense-prefill"})
+    mask = ChannelMask(torch.ones(2, 3, 64, dtype=torch.bool), sink_size=16, recent_size=64, accumu_size=16)
+    assert WorkerPlan.build(mask, [0, 1], dense_prompt=True).dense_prompt
+    assert not WorkerPlan.build(mask, [0, 1]).dense_prompt

@@ -61,8 +61,12 @@ def random_pages(
     seed: int = 0,
     extra_block_stride: int = 7,
     device: str = "cpu",
+    whole_window: bool = False,
 ) -> Pages:
-    """Pages holding ``len(lengths)`` requests whose next query is at position ``length - 1`` (already written)."""
+    """Pages holding ``len(lengths)`` requests whose next query is at position ``length - 1`` (already written).
+
+    ``whole_window``: every token's full row in the window pages (a prompt being computed under the
+    dense-prompt rule), not only the sink's and the last window's."""
     g = torch.Generator().manual_seed(seed)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
     slot = plan.slots[layer]
@@ -104,7 +108,7 @@ def random_pages(
         rf = positional_recent_from(n - 1, mask.recent_size, mask.accumu_size)
         first_kept = max(0, n - 1 - (mask.recent_size + mask.accumu_size) + 1) // block_size
         for i in range(per_req[b]):
-            if i * block_size < mask.sink_size or i >= first_kept:
+            if whole_window or i * block_size < mask.sink_size or i >= first_kept:
                 window_table[b, i] = int(free[used])
                 used += 1
         assert rf >= first_kept * block_size or rf <= mask.sink_size

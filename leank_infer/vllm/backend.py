@@ -8,13 +8,16 @@ attention, unchanged. With one, each decoder layer of the model is a LeanK layer
   token, full rows for the sink and the window. The layer shares the packed store's cache and block
   table (vLLM's cross-layer KV sharing) and reads its window store's metadata from the forward
   context. vLLM sizes, counts ("KV cache size: N tokens"), frees, caches and preempts all of it;
-- every query, prompt or generated, follows the positional rule
-  (:func:`~leank_infer.decode.rule.positional_recent_from`): the outcome depends on positions only,
-  so chunked prefill, prefix-cache hits and preemption give the tokens an unchunked, uncached,
-  uninterrupted run gives (up to floating point), and so does ``LeanKModel(..., rule="positional")``;
+- a prompt query attends to the prompt with every channel, and every generated query follows the positional
+  rule (:func:`~leank_infer.decode.rule.positional_recent_from`): the ``"dense-prompt"`` rule, the default
+  (``leank_rule: "positional"`` makes prompt queries follow the positional rule too). The outcome depends on
+  positions and the prompt's length only, so chunked prefill, prefix-cache hits and preemption give the
+  tokens an unchunked, uncached, uninterrupted run gives (up to floating point), and so does
+  ``LeanKModel(..., rule=...)`` with the same rule;
 - the decode requests of a step (one new token each; vLLM puts them first) go to one kernel call per
   layer (:mod:`~leank_infer.vllm.kernels`); each prefill chunk gathers its request's K/V from the pages and
-  runs the SDPA-based positional prefill (:func:`~leank_infer.vllm.kernels.prefill`).
+  runs SDPA: dense over the prompt's full rows for prompt queries (:func:`~leank_infer.vllm.kernels.dense_prefill`),
+  the positional prefill for the others (:func:`~leank_infer.vllm.kernels.prefill`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from ..mask import ChannelMask, MaskError
 from . import kernels
-from .paged_reference import request_kv
+from .paged_reference import request_full_kv, request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
 from .stores import PackedBackend, Store, WindowBackend
@@ -66,6 +69,7 @@ class LeanKAttentionMixin:
         self.plan: WorkerPlan | None = None
         self.window_name: str | None = None
         self.fp8: torch.dtype | None = None
+        self.dense_prompt = False
         config = get_current_vllm_config()
         self.vllm_config = config
         settings = settings_from(getattr(config, "additional_config", None))
@@ -80,6 +84,7 @@ class LeanKAttentionMixin:
         self.check_platform(config)
         self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
         self.fp8 = _FP8.get(config.cache_config.cache_dtype)
+        self.dense_prompt = settings.dense_prompt
 
     def check_platform(self, vllm_config: Any) -> None:
         """Refuse what this implementation cannot run (the CUDA variant's hook)."""
@@ -88,7 +93,7 @@ class LeanKAttentionMixin:
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
         if self.mask is not None and self.slot is None:
-            plan_worker(self.vllm_config, self.mask)
+            plan_worker(self.vllm_config, self.mask, self.dense_prompt)
 
     # ---- attention ------------------------------------------------------------------------------
     def forward(
@@ -130,21 +135,35 @@ class LeanKAttentionMixin:
                 q[:nd], packed, md.block_table[:nd], window, window_md.block_table[:nd], md.seq_lens[:nd],
                 self.plan, slot, self.scale, *scales,
             )  # fmt: skip
-        for row, start, end, cached in md.extends:
-            kk, vv = request_kv(
-                self.plan, slot, packed, md.block_table[row], window, window_md.block_table[row],
-                cached + end - start, cached, k[start:end], v[start:end], q.dtype, *scales,
-            )  # fmt: skip
-            out[start:end] = kernels.prefill(self.plan, slot, q[start:end], kk, vv, cached, self.scale)
+        for row, start, end, cached, prompt in md.extends:
+            table = window_md.block_table[row]
+            split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense
+            if split > start:
+                kk, vv = request_full_kv(self.plan, slot, window, table, cached, k[start:split], v[start:split],
+                                         q.dtype, *scales)  # fmt: skip
+                out[start:split] = kernels.dense_prefill(q[start:split], kk, vv, cached, self.scale)
+            if end > split:  # generated tokens recomputed after a preemption, or the positional rule
+                first = cached + split - start
+                kk, vv = request_kv(
+                    self.plan, slot, packed, md.block_table[row], window, table,
+                    first + end - split, first, k[split:end], v[split:end], q.dtype, *scales,
+                )  # fmt: skip
+                out[split:end] = kernels.prefill(self.plan, slot, q[split:end], kk, vv, first, self.scale)
         return output
 
 
-def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
+def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False) -> WorkerPlan:
     """Lay out this worker's LeanK pages and wire its attention layers to them (once per worker).
 
     Finds every attention layer of the model, refuses one that is not LeanK's while a mask is set
     (it would serve dense attention silently), plans the pages, registers the stores and makes
     each LeanK layer share the packed store's cache.
+
+    ``dense_prompt``: the metadata builder needs each request's prompt length. vLLM 0.32 passes it to attention
+    builders (``CommonAttentionMetadata.rswa_prefix_lens``) for models with Reference Sliding Window Attention
+    only, when the model config has an ``rswa_window``; the worker's copy of the config gets one here, after
+    every attention backend is chosen (so no backend selection sees it). No other part of vLLM reads it for a
+    model whose layers are plain attention layers, which every layer of a LeanK model is.
     """
     from vllm.distributed import (
         get_pp_group,
@@ -178,8 +197,14 @@ def plan_worker(vllm_config: Any, mask: ChannelMask) -> WorkerPlan:
     pp = get_pp_group().world_size
     stages = [list(range(*get_pp_indices(mask.num_layers, r, pp))) for r in range(pp)]
     plan = WorkerPlan.build(
-        mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages
+        mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages,
+        dense_prompt,
     )
+    if dense_prompt:
+        arch = vllm_config.model_config.model_arch_config
+        if arch.rswa_window is not None:
+            raise MaskError("LeanK's dense-prompt rule cannot serve a model with R-SWA attention")
+        arch.rswa_window = plan.window
     kernels.prepare(plan, vllm_config.device_config.device_type)  # before any CUDA graph capture
     first_name, first = layers[order[0]]
     if plan.num_kv_heads != first.impl.num_kv_heads:

@@ -7,8 +7,10 @@ of :mod:`~leank_infer.vllm.cpu_decode` (built at first use). Where neither can r
 kernel does not cover) it is the PyTorch reference per request (:mod:`~leank_infer.vllm.paged_reference`),
 with a warning logged once per reason.
 
-Prompt chunks (:func:`prefill`) gather the request's K/V and run the SDPA-based positional prefill of the HF
-path (:func:`~leank_infer.decode.positional_prefill.positional_prefill_attention`), on every device.
+Prompt chunks gather the request's K/V and run SDPA: the model's causal attention over every channel under
+the ``"dense-prompt"`` rule (:func:`dense_prefill`), the positional prefill of the HF path
+(:func:`~leank_infer.decode.positional_prefill.positional_prefill_attention`) for queries that follow the
+positional rule (:func:`prefill`), on every device.
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def prefill(
         scale,
     )
     return out[0]
+
+
+def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query: int, scale: float,
+                  q_chunk: int = 1024) -> torch.Tensor:
+    """The model's own causal attention ``[n, Hq, D]`` of prompt queries at positions ``first_query + i`` over
+    every channel of the request's K/V ``[first_query + n, Hkv, D]`` (the ``"dense-prompt"`` rule); SDPA in
+    chunks of ``q_chunk`` queries (a ``[q_chunk, keys]`` mask each)."""
+    n = q.shape[0]
+    qt = q.transpose(0, 1)
+    kt, vt = k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
+    out = torch.empty_like(q)
+    keys = torch.arange(k.shape[0], device=q.device)
+    for s in range(0, n, q_chunk):
+        e = min(n, s + q_chunk)
+        last = first_query + e  # no query of the chunk sees a key at or past it
+        allowed = keys[:last].view(1, -1) <= torch.arange(first_query + s, last, device=q.device).view(-1, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qt[:, s:e], kt[:, :last], vt[:, :last], attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
 
 
 def _once(reason: str) -> None:

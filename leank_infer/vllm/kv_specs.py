@@ -18,6 +18,12 @@ window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowM
   for its sliding-window and Mamba groups), the window ending there is written and cached, so the
   requests after it hit the prefix cache at the junction.
 
+Under the ``"dense-prompt"`` rule (``dense_prompt=True``, the default) a prompt query attends to every earlier
+prompt token with every channel, so while a request's prompt is being computed the manager keeps a real
+block for every prompt token (chunked prefill reads the earlier chunks' full rows), and frees the gap once
+the prompt is done. Only blocks made wholly of prompt tokens are cached, and a hit needs every block from
+the first (full attention's rule): a cached prefix is then exactly what the request's own prompt computes.
+
 It is registered with vLLM's :class:`~vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry`, the
 interface vLLM 0.32 gives out-of-tree code for new spec types (:func:`register`). vLLM allocates,
 counts, frees, caches and preempts these blocks like any other.
@@ -25,6 +31,7 @@ counts, frees, caches and preempts these blocks like any other.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,31 +46,39 @@ class LeanKWindowSpec(SlidingWindowSpec):
     """Full-channel K/V of a request's first ``sink_len`` tokens and of its last ``sliding_window`` ones."""
 
     sink_len: int = 0
+    dense_prompt: bool = False  # every prompt token's full row is kept while the prompt is computed
 
     @property
     def sink_blocks(self) -> int:
         return cdiv(self.sink_len, self.block_size)
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
-        """Blocks a request holds at most: the sink, the window it keeps, and the window the step fills.
+    def steady_blocks(self, max_model_len: int) -> int:
+        """Blocks a request holds at most once its prompt is computed: the sink, the window it keeps, and the
+        window the step fills.
 
         A step that computes ``n`` tokens after ``c`` keeps the blocks of ``[c - window + 1, c)``
         (read by its first queries) and allocates those of ``[c + n - window + 1, c + n)`` (read by
         the next step); the gap between them is never allocated (:class:`LeanKWindowManager`).
         """
-        del max_in_flight_tokens
         window = min(self.sliding_window, max_model_len)
         return self.sink_blocks + 2 * (cdiv(window, self.block_size) + 1)
 
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Blocks a request may need at once: :meth:`steady_blocks`, plus under ``dense_prompt`` every block of
+        a prompt as long as the model allows (vLLM admits a request only when they are free)."""
+        del max_in_flight_tokens
+        prompt = cdiv(max_model_len, self.block_size) if self.dense_prompt else 0
+        return prompt + self.steady_blocks(max_model_len)
+
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
-        blocks = self.max_admission_blocks_per_request(
-            vllm_config.max_in_flight_tokens, vllm_config.model_config.max_model_len
-        )
-        return blocks * self.page_size_bytes
+        """What vLLM's "KV cache size" report counts per request: the blocks it keeps while decoding (as for
+        vLLM's sliding windows, whose long prefill chunks also read more for a while)."""
+        return self.steady_blocks(vllm_config.model_config.max_model_len) * self.page_size_bytes
 
     def is_uniform_with_collection(self, kv_cache_specs: dict) -> bool:
         return all(
-            isinstance(s, LeanKWindowSpec) and s.sliding_window == self.sliding_window and s.sink_len == self.sink_len
+            isinstance(s, LeanKWindowSpec)
+            and (s.sliding_window, s.sink_len, s.dense_prompt) == (self.sliding_window, self.sink_len, self.dense_prompt)
             for s in kv_cache_specs.values()
         )
 
@@ -74,24 +89,38 @@ class LeanKWindowManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec: LeanKWindowSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.sink_blocks = kv_cache_spec.sink_blocks
+        self.dense_prompt = kv_cache_spec.dense_prompt
         self._step_blocks: dict[str, list[Any]] = {}  # per request, the list the last allocation returned
+        self._prompt: dict[str, int] = {}  # per request, its prompt length (dense_prompt: blocks kept until done)
 
     # ---- which blocks hold data ----------------------------------------------------------------
-    def _real(self, index: int, num_tokens: int) -> bool:
-        """Whether block ``index`` needs storage once ``num_tokens`` tokens are computed."""
+    def _real(self, index: int, num_tokens: int, prompt: int = 0) -> bool:
+        """Whether block ``index`` needs storage once ``num_tokens`` tokens are computed (``prompt``: the
+        request's prompt length under ``dense_prompt``, whose blocks hold data until it is computed)."""
         first_kept = max(0, num_tokens - self.sliding_window + 1) // self.block_size
-        return index < self.sink_blocks or index >= first_kept
+        in_prompt = self.dense_prompt and index * self.block_size < prompt
+        return index < self.sink_blocks or index >= first_kept or in_prompt
 
-    def _num_real_new(self, have: int, num_tokens: int) -> int:
+    def _num_real_new(self, have: int, num_tokens: int, prompt: int = 0) -> int:
         need = cdiv(num_tokens, self.block_size)
-        return sum(self._real(i, num_tokens) for i in range(have, need))
+        return sum(self._real(i, num_tokens, prompt) for i in range(have, need))
+
+    def _skipped(self, computed: int, prompt: int) -> int:
+        """Tokens before the window that no query reads with every channel any more (none while a dense prompt
+        is still being computed)."""
+        if self.dense_prompt and computed < prompt:
+            return 0
+        return self.get_num_skipped_tokens(computed)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Free the blocks between the sink and the window (the sink stays)."""
-        del num_prompt_tokens
-        skipped = self.get_num_skipped_tokens(processed_computed_tokens) // self.block_size
+        """Free the blocks between the sink and the window (the sink stays); vLLM calls this before each
+        allocation, with the prompt length, which is remembered for it."""
+        if num_prompt_tokens is not None:
+            self._prompt[request_id] = num_prompt_tokens
+        prompt = self._prompt.get(request_id, 0)
+        skipped = self._skipped(processed_computed_tokens, prompt) // self.block_size
         self._remove_blocks_in_range(request_id, self.sink_blocks, skipped)
 
     def get_num_blocks_to_allocate(
@@ -105,16 +134,17 @@ class LeanKWindowManager(SlidingWindowManager):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        del num_local_computed_tokens, num_tokens_main_model, prefill_end
+        del num_local_computed_tokens, num_tokens_main_model
+        prompt = self._prompt.get(request_id, prefill_end)  # the admission check comes before the first removal
         if request_id in self.num_cached_block:  # a running request
             assert len(new_computed_blocks) == 0
-            count = self._num_real_new(len(self.req_to_blocks.get(request_id, ())), num_tokens)
+            count = self._num_real_new(len(self.req_to_blocks.get(request_id, ())), num_tokens, prompt)
         else:
-            have = max(len(new_computed_blocks), self.get_num_skipped_tokens(total_computed_tokens) // self.block_size)
-            count = self._num_real_new(have, num_tokens)
+            have = max(len(new_computed_blocks), self._skipped(total_computed_tokens, prompt) // self.block_size)
+            count = self._num_real_new(have, num_tokens, prompt)
             # cached blocks the request touches leave the free queue: count them as taken
             count += self._get_num_evictable_blocks(
-                [b for i, b in enumerate(new_computed_blocks) if self._real(i, total_computed_tokens)]
+                [b for i, b in enumerate(new_computed_blocks) if self._real(i, total_computed_tokens, prompt)]
             )
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             count = min(count, self.max_admission_blocks_per_request)
@@ -127,9 +157,10 @@ class LeanKWindowManager(SlidingWindowManager):
         need = cdiv(num_tokens, self.block_size)
         if need <= len(blocks):
             return []
-        real = [i for i in range(len(blocks), need) if self._real(i, num_tokens)]
+        prompt = self._prompt.get(request_id, 0)
+        real = [i for i in range(len(blocks), need) if self._real(i, num_tokens, prompt)]
         fresh = iter(self.block_pool.get_new_blocks(len(real)))
-        new = [next(fresh) if self._real(i, num_tokens) else self._null_block for i in range(len(blocks), need)]
+        new = [next(fresh) if i in real else self._null_block for i in range(len(blocks), need)]
         blocks.extend(new)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new if not b.is_null)
@@ -137,7 +168,11 @@ class LeanKWindowManager(SlidingWindowManager):
         return new  # the worker appends these to its block table: nulls keep the positions aligned
 
     def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, **kwargs: Any) -> None:
-        self._keep_junction_window(request, num_tokens)
+        if self.dense_prompt:  # blocks of prompt tokens only: a later request's prompt computes nothing else
+            self._step_blocks.pop(request.request_id, None)
+            num_tokens = min(num_tokens, request.num_prompt_tokens)
+        else:
+            self._keep_junction_window(request, num_tokens)
         super().cache_blocks(request, num_tokens, retention_interval, **kwargs)
 
     def _keep_junction_window(self, request: Any, num_tokens: int) -> None:
@@ -163,6 +198,7 @@ class LeanKWindowManager(SlidingWindowManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list[Any]:
         self._step_blocks.pop(request_id, None)
+        self._prompt.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def add_local_computed_blocks(
@@ -172,11 +208,12 @@ class LeanKWindowManager(SlidingWindowManager):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """A prefix-cache hit: keep its sink blocks and its window, nulls in between."""
+        """A prefix-cache hit: keep its sink blocks and its window, nulls in between (under ``dense_prompt``,
+        every block of a hit inside the prompt)."""
         blocks = self.req_to_blocks[request_id]
         assert len(blocks) == 0
         total = num_local_computed_tokens + num_external_computed_tokens
-        skipped = self.get_num_skipped_tokens(total) // self.block_size
+        skipped = self._skipped(total, self._prompt.get(request_id, 0)) // self.block_size
         kept = [
             b if (i < self.sink_blocks or i >= skipped) else self._null_block for i, b in enumerate(new_computed_blocks)
         ]
@@ -205,6 +242,9 @@ class LeanKWindowManager(SlidingWindowManager):
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         assert isinstance(kv_cache_spec, LeanKWindowSpec)
+        if kv_cache_spec.dense_prompt:
+            return _hit_from_the_start(block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                                       alignment_tokens, cls.supports_fine_grained_hash_lookup)
         computed, hit = super().find_longest_cache_hit(
             block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
             drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
@@ -235,15 +275,40 @@ class LeanKWindowManager(SlidingWindowManager):
 
     @classmethod
     def reachable_block_mask(cls, *args: Any, **kwargs: Any) -> list[bool] | None:
-        """vLLM's sparse retention of window blocks, and every sink block."""
+        """vLLM's sparse retention of window blocks, and every sink block (under ``dense_prompt``: every block)."""
+        spec = kwargs.get("kv_cache_spec", args[3] if len(args) > 3 else None)
+        if spec.dense_prompt:
+            return None
         mask = super().reachable_block_mask(*args, **kwargs)
         if mask is None:
             return None
         start = kwargs.get("start_block", args[0] if args else 0)
-        spec = kwargs.get("kv_cache_spec", args[3] if len(args) > 3 else None)
         for i in range(start, min(start + len(mask), spec.sink_blocks)):
             mask[i - start] = True
         return mask
+
+
+def _hit_from_the_start(block_hashes: Any, max_length: int, group_ids: list[int], block_pool: Any,
+                        spec: LeanKWindowSpec, alignment_tokens: int, fine_grained: bool) -> tuple[tuple[list[Any], ...], int]:
+    """Full attention's hit: the cached blocks from the first on, cut to a multiple of ``alignment_tokens``."""
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    bs = spec.block_size
+    hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, bs,
+                                  supports_fine_grained_hash_lookup=fine_grained, alignment_tokens=alignment_tokens)
+    computed: tuple[list[Any], ...] = tuple([] for _ in group_ids)
+    for h in itertools.islice(hashes, max_length // bs):
+        cached = block_pool.get_cached_block(h, group_ids)
+        if cached is None:
+            break
+        for c, block in zip(computed, cached, strict=True):
+            c.append(block)
+    keep = len(computed[0])
+    while keep and (keep * bs) % alignment_tokens:
+        keep -= 1
+    for c in computed:
+        del c[keep:]
+    return computed, keep * bs
 
 
 _registered = False

@@ -77,6 +77,30 @@ def request_kv(
     return k, v
 
 
+def request_full_kv(
+    plan: WorkerPlan,
+    slot: LayerSlot,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    first_query: int,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every channel of K and V ``[first_query + n, heads, head_dim]`` of a prompt chunk's request under the
+    ``"dense-prompt"`` rule: the earlier prompt tokens from the window pages (which hold every prompt token
+    until the prompt is computed), the chunk's own from ``new_k``/``new_v`` ``[n, heads, head_dim]``."""
+    h, d = plan.num_kv_heads, plan.head_dim
+    pos = torch.arange(first_query, device=window.device)
+    rows = page_rows(window, window_table, pos)[:, slot.window_offset : slot.window_offset + 2 * h * d]
+    k = torch.cat([to_compute(rows[:, : h * d], dtype, k_scale, fp8).view(-1, h, d), new_k.to(dtype)])
+    v = torch.cat([to_compute(rows[:, h * d :], dtype, v_scale, fp8).view(-1, h, d), new_v.to(dtype)])
+    return k, v
+
+
 def reference_attention(
     plan: WorkerPlan,
     slot: LayerSlot,

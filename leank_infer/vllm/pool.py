@@ -6,7 +6,8 @@
   Every token has one; middle keys are read from it.
 - **Window pages** (:class:`~leank_infer.vllm.kv_specs.LeanKWindowSpec`, a few stores): per token the
   full K and V of a run of layers, kept only for the sink and the recent window (the keys a later
-  query scores with every channel).
+  query scores with every channel), and under the ``"dense-prompt"`` rule for the whole prompt while it
+  is being computed (its queries score every prompt token with every channel).
 
 Inside a page (one block of ``block_size`` tokens) each layer's data is one contiguous run, layer after
 layer (``[layer][token][column]``): a layer's decode streams its run of each block, instead of a slice of
@@ -102,6 +103,7 @@ class WorkerPlan:
     sink: int
     recent: int
     accumu: int
+    dense_prompt: bool = False  # the "dense-prompt" rule: prompt queries read every prompt token's full row
 
     @classmethod
     def build(
@@ -112,6 +114,7 @@ class WorkerPlan:
         tp_rank: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
         stages: list[list[int]] | None = None,
+        dense_prompt: bool = False,
     ) -> WorkerPlan:
         """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``.
 
@@ -143,7 +146,7 @@ class WorkerPlan:
                 slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, j, k * full)
         return cls(
             slots, offset, per_store * full, stores, len(mine), head_dim, block_size,
-            mask.sink_size, mask.recent_size, mask.accumu_size,
+            mask.sink_size, mask.recent_size, mask.accumu_size, dense_prompt,
         )  # fmt: skip
 
     @property
@@ -177,6 +180,7 @@ def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None) -> tu
         common["kv_quant_mode"] = quant_mode
     packed = FullAttentionSpec(state_content_bytes=plan.packed_row * item, **common)
     window = LeanKWindowSpec(
-        state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink, **common
-    )
+        state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink,
+        dense_prompt=plan.dense_prompt, **common,
+    )  # fmt: skip
     return packed, window

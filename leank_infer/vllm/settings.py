@@ -8,7 +8,11 @@ vLLM's place for settings of out-of-tree code is ``additional_config`` (``vllm s
 - ``leank_mask``: a mask folder or a Hub repo id (resolved as ``ChannelMask.from_pretrained`` does:
   safetensors + JSON only, ``HF_HUB_OFFLINE`` honoured),
 - ``leank_mask_revision``: branch, tag or commit of a Hub mask (optional),
-- ``leank_check_base_model``: ``false`` to serve a renamed copy or fine-tune of the mask's base model.
+- ``leank_check_base_model``: ``false`` to serve a renamed copy or fine-tune of the mask's base model,
+- ``leank_rule``: ``"dense-prompt"`` (default: the prompt attends with every channel, each generated token by
+  its position; a request holds its prompt's full rows in the pool while the prompt is computed) or
+  ``"positional"`` (the prompt by its position too: no such rows, lower accuracy on long prompts). Both are
+  rules of ``LeanKModel(rule=...)``, so the two paths give the same tokens.
 
 The environment variable ``LEANK_MASK`` names a mask when ``additional_config`` does not (handy
 for scripts that cannot change the engine arguments). Without either, the plugin does nothing.
@@ -21,13 +25,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..decode.rule import DENSE_PROMPT, POSITIONAL
 from ..mask import ChannelMask, MaskError, check_fit
 
 ENV_MASK = "LEANK_MASK"
 KEY_MASK = "leank_mask"
 KEY_REVISION = "leank_mask_revision"
 KEY_CHECK = "leank_check_base_model"
-_KEYS = (KEY_MASK, KEY_REVISION, KEY_CHECK)
+KEY_RULE = "leank_rule"
+_KEYS = (KEY_MASK, KEY_REVISION, KEY_CHECK, KEY_RULE)
+SERVED_RULES = (DENSE_PROMPT, POSITIONAL)
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str | None], ChannelMask] = {}
@@ -40,6 +47,11 @@ class LeanKSettings:
     mask: str
     revision: str | None = None
     check_base_model: bool = True
+    rule: str = DENSE_PROMPT
+
+    @property
+    def dense_prompt(self) -> bool:
+        return self.rule == DENSE_PROMPT
 
 
 def settings_from(additional_config: Any) -> LeanKSettings | None:
@@ -61,7 +73,10 @@ def settings_from(additional_config: Any) -> LeanKSettings | None:
     check = cfg.get(KEY_CHECK, True)
     if not isinstance(check, bool):
         raise MaskError(f"additional_config[{KEY_CHECK!r}] must be true or false, got {check!r}")
-    return LeanKSettings(mask, revision, check)
+    rule = cfg.get(KEY_RULE, DENSE_PROMPT)
+    if rule not in SERVED_RULES:
+        raise MaskError(f"additional_config[{KEY_RULE!r}] must be one of {list(SERVED_RULES)}, got {rule!r}")
+    return LeanKSettings(mask, revision, check, rule)
 
 
 def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str | None = None) -> ChannelMask:

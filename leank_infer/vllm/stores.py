@@ -42,8 +42,10 @@ class LeanKMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32: tokens of each request after this step
     block_table: torch.Tensor  # [num_reqs, blocks] int32 (packed store)
     slot_mapping: torch.Tensor  # [num_tokens] int64 (packed store)
-    # the other requests (prefill chunks, or several tokens), one tuple each: (row, first token, end token, cached)
-    extends: tuple[tuple[int, int, int, int], ...]
+    # the other requests (prefill chunks, or several tokens), one tuple each: (row, first token, end token,
+    # cached, prompt): ``prompt`` is the request's prompt length under the "dense-prompt" rule (its queries
+    # before it attend densely), 0 under the positional rule
+    extends: tuple[tuple[int, int, int, int, int], ...]
 
 
 class WindowBuilder(AttentionMetadataBuilder[WindowMetadata]):
@@ -66,19 +68,28 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
     reorder_batch_threshold: int | None = 1
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        from .settings import settings_from
+
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        settings = settings_from(getattr(vllm_config, "additional_config", None))
+        self.dense_prompt = settings is not None and settings.dense_prompt
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> LeanKMetadata:
         cm = common_attn_metadata
         num_decodes, num_prefills, _, _ = split_decodes_and_prefills(cm, decode_threshold=1)
-        extends: tuple[tuple[int, int, int, int], ...] = ()
+        extends: tuple[tuple[int, int, int, int, int], ...] = ()
         if num_prefills:  # host values, once per step (not per layer): the chunks' bounds
             starts = cm.query_start_loc_cpu.tolist()
             lens = (cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()).tolist()
+            prompts = [0] * cm.num_reqs
+            if self.dense_prompt:
+                if cm.rswa_prefix_lens is None:  # set up by backend.plan_worker; a silent positional prefill else
+                    raise RuntimeError("LeanK's dense-prompt rule needs the prompt lengths vLLM did not pass")
+                prompts = cm.rswa_prefix_lens[: cm.num_reqs].tolist()
             extends = tuple(
-                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]))
+                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]), prompts[i])
                 for i in range(num_decodes, cm.num_reqs)
                 if starts[i + 1] > starts[i]
             )

@@ -44,12 +44,16 @@ def embedded_dir() -> Path:
     return found[-1].parent
 
 
-def reference_tokens(prompts: list[list[int]], max_new_tokens: int, mask: str = MASK) -> list[list[int]]:
-    """``LeanKModel(rule="positional").generate`` greedy tokens, each prompt alone, from the main environment."""
+def reference_tokens(
+    prompts: list[list[int]], max_new_tokens: int, mask: str = MASK, rule: str = "dense-prompt"
+) -> list[list[int]]:
+    """``LeanKModel(rule=rule).generate`` greedy tokens, each prompt alone, from the main environment (the
+    plugin's default rule unless named)."""
     python = os.environ.get("LEANK_REF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     if not Path(python).exists():
         pytest.skip(f"no main environment at {python} for the LeanKModel reference (set LEANK_REF_PYTHON)")
-    job = {"model": str(embedded_dir()), "mask": mask, "prompts": prompts, "max_new_tokens": max_new_tokens}
+    job = {"model": str(embedded_dir()), "mask": mask, "prompts": prompts, "max_new_tokens": max_new_tokens,
+           "rule": rule}
     key = json.dumps(job)
     if key in _REFERENCE:
         return _REFERENCE[key]

@@ -1,8 +1,8 @@
-"""Greedy tokens of ``LeanKModel.generate`` under the positional rule (the vLLM plugin's), in the main environment.
+"""Greedy tokens of ``LeanKModel.generate`` under a rule the vLLM plugin serves, in the main environment.
 
 The vLLM environment pins transformers <5.20, where ``generate()`` does not take ``cache=``
 (docs/architecture.md, "Known pitfalls"); the reference therefore runs in the project's main environment:
-``python tests/vllm_plugin/reference.py`` reads ``{"model", "mask", "prompts", "max_new_tokens"}`` as JSON
+``python tests/vllm_plugin/reference.py`` reads ``{"model", "mask", "prompts", "max_new_tokens", "rule"}`` as JSON
 on stdin and prints ``{"tokens": [[...], ...]}``, each prompt (token ids) generated alone.
 """
 
@@ -20,7 +20,7 @@ from leank_infer import LeanKModel
 def main() -> None:
     job = json.load(sys.stdin)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
-    m = LeanKModel.from_pretrained(job["mask"], model=model, rule="positional")
+    m = LeanKModel.from_pretrained(job["mask"], model=model, rule=job["rule"])
     tokens = []
     for ids in job["prompts"]:
         x = torch.tensor([ids])

@@ -15,19 +15,20 @@ from leank_infer.vllm.kv_specs import LeanKWindowManager, LeanKWindowSpec, regis
 BS, SINK, WINDOW = 16, 16, 80  # the embedded masks: sink 16, recent 64 + accumu 16
 
 
-def spec(sink: int = SINK) -> LeanKWindowSpec:
+def spec(sink: int = SINK, dense_prompt: bool = False) -> LeanKWindowSpec:
     import torch
 
     return LeanKWindowSpec(
-        block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.float32, sliding_window=WINDOW, sink_len=sink
-    )
+        block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.float32, sliding_window=WINDOW, sink_len=sink,
+        dense_prompt=dense_prompt,
+    )  # fmt: skip
 
 
-def manager(num_blocks: int = 200, caching: bool = True, sink: int = SINK) -> LeanKWindowManager:
+def manager(num_blocks: int = 200, caching: bool = True, sink: int = SINK, dense_prompt: bool = False) -> LeanKWindowManager:
     register()
     pool = BlockPool(num_blocks, enable_caching=caching, hash_block_size=BS)
     return LeanKWindowManager(
-        spec(sink), block_pool=pool, enable_caching=caching, kv_cache_group_id=0, scheduler_block_size=BS
+        spec(sink, dense_prompt), block_pool=pool, enable_caching=caching, kv_cache_group_id=0, scheduler_block_size=BS
     )
 
 
@@ -35,9 +36,9 @@ def real(blocks) -> list[int]:
     return [i for i, b in enumerate(blocks) if not b.is_null]
 
 
-def step(m: LeanKWindowManager, rid: str, computed: int, n: int) -> int:
+def step(m: LeanKWindowManager, rid: str, computed: int, n: int, prompt: int | None = None) -> int:
     """One scheduler step of ``n`` tokens after ``computed``: free, count, allocate (as vLLM's coordinator)."""
-    m.remove_skipped_blocks(rid, computed)
+    m.remove_skipped_blocks(rid, computed, prompt)
     want = m.get_num_blocks_to_allocate(rid, computed + n, [], computed, 0, computed + n)
     free = m.block_pool.get_num_free_blocks()
     got = m.allocate_new_blocks(rid, computed + n, computed + n)
@@ -187,3 +188,52 @@ def test_no_junction_window_when_the_pool_is_short_or_the_blocks_are_older():
     free = m2.block_pool.get_num_free_blocks()
     m2._keep_junction_window(SimpleNamespace(request_id="r", shared_prefix_boundary=600), 1000)
     assert m2.block_pool.get_num_free_blocks() == free
+
+
+# ---- the dense-prompt rule: every prompt block while the prompt is computed ----------------------------------
+@pytest.mark.parametrize("chunk", [1000, 256, 100])
+def test_a_dense_prompt_is_held_whole_until_it_is_computed_then_only_sink_and_window(chunk):
+    """Chunked or not, every block of the prompt is real while it is computed (later chunks read the earlier
+    ones' full rows); once it is, the gap is freed and decoding holds what the positional rule holds."""
+    m = manager(dense_prompt=True)
+    m.num_cached_block["r"] = 0
+    prompt = 1000
+    for c in range(0, prompt, chunk):
+        step(m, "r", c, min(chunk, prompt - c), prompt)
+        assert real(m.req_to_blocks["r"]) == list(range(cdiv(min(c + chunk, prompt), BS)))
+    for p in range(prompt, prompt + 40):
+        step(m, "r", p, 1, prompt)
+        blocks = m.req_to_blocks["r"]
+        lo = max(SINK, p + 1 - WINDOW + 1)
+        assert real(blocks)[0] == 0 and all(not blocks[q // BS].is_null for q in range(lo, p + 1))
+        assert len(real(blocks)) <= 1 + cdiv(WINDOW, BS) + 1
+    spec_ = m.kv_cache_spec
+    assert spec_.max_admission_blocks_per_request(8192, 4096) >= cdiv(4096, BS)  # a whole prompt is admitted
+    assert spec_.steady_blocks(4096) == manager().kv_cache_spec.max_admission_blocks_per_request(8192, 4096)
+
+
+def test_a_dense_prompt_caches_prompt_blocks_only_and_hits_from_the_start():
+    """Blocks holding a generated token are never cached (a later prompt computes them densely); a hit is the
+    run of cached blocks from the first one, and it keeps every one of them."""
+    from types import SimpleNamespace
+
+    m = manager(dense_prompt=True)
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    req = SimpleNamespace(request_id="r", num_prompt_tokens=300, block_hashes=hashes, num_tokens=340,
+                          shared_prefix_boundary=0)
+    m.num_cached_block["r"] = 0
+    step(m, "r", 0, 300, 300)
+    m.cache_blocks(req, 300, replay_boundaries=())  # vLLM caches right after each allocation
+    step(m, "r", 300, 40, 300)
+    m.cache_blocks(req, 340, replay_boundaries=())
+    assert m.num_cached_block["r"] == 300 // BS  # the block holding tokens 288-303 is partly generated
+    m.free("r")
+    got, length = _hit(m, hashes, 600)
+    assert length == 300 // BS * BS and len(got) == 300 // BS
+    m2 = manager(dense_prompt=True)
+    _cache(m2, hashes, [0, 1, 2, 4, 5])  # a gap at block 3: the hit stops there
+    assert _hit(m2, hashes, 600)[1] == 3 * BS
+    m2.remove_skipped_blocks("s", 0, 500)
+    computed, _ = LeanKWindowManager.find_longest_cache_hit(hashes, 600, [0], m2.block_pool, m2.kv_cache_spec, False, BS)
+    m2.add_local_computed_blocks("s", computed[0], 3 * BS, 0)
+    assert real(m2.req_to_blocks["s"]) == [0, 1, 2]

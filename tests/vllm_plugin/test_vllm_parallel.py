@@ -27,7 +27,7 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flus
 
 
 def test_tensor_parallel_3_equals_leank_model(model_dir, prompts):  # noqa: F811
-    """TP=3 (vLLM's CPU build, its own worker processes) gives LeanKModel(rule="positional")'s tokens.
+    """TP=3 (vLLM's CPU build, its own worker processes) gives LeanKModel(rule="dense-prompt")'s tokens.
 
     Eager: three workers compiling the model on a 2-core test machine cost minutes and test nothing of LeanK's."""
     job = {"model": str(model_dir), "mask": MASK, "prompts": prompts[:2], "n": NEW_TOKENS, "engine": ENGINE}

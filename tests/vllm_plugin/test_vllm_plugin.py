@@ -91,19 +91,21 @@ def test_every_leank_byte_is_in_vllms_pool_and_its_report(leank_llm):
     assert not any(isinstance(v, (dict, list)) and v for i in impls for v in vars(i).values() if v is not i.vllm_config)
 
 
-def test_greedy_equals_leank_model_positional(leank_llm, prompts):
-    """Concurrent requests of different lengths, token for token equal to LeanKModel(rule="positional")."""
+def test_greedy_equals_leank_model(leank_llm, prompts):
+    """Concurrent requests of different lengths, token for token equal to LeanKModel(rule="dense-prompt"), the
+    plugin's default rule; and not to the positional rule's (so the test tells the two apart)."""
     batched = generate(leank_llm, prompts)
     assert batched == reference_tokens(prompts, NEW_TOKENS)
+    assert batched != reference_tokens(prompts, NEW_TOKENS, rule="positional")
     assert [generate(leank_llm, [p])[0] for p in prompts[:2]] == batched[:2]  # alone = in a batch
 
 
 def test_a_prefix_cache_hit_equals_a_miss(leank_llm, shared):
     """Requests sharing a long document hit vLLM's prefix cache; their tokens equal an uncached run's.
 
-    The second request finds the document in the packed pages but not its window (the first request kept
-    only the window at its own end): vLLM marks the junction, the window there is kept, and the third
-    request hits the whole document."""
+    Under the dense-prompt rule the first request's prompt blocks (full rows) stay cached after its prompt is
+    computed, so the second and third requests hit the whole document (the positional rule's own path, the
+    window kept at the shared-prefix junction, is tested in test_vllm_kv_specs.py and by the positional test)."""
     leank_llm.reset_prefix_cache()
     first = run(leank_llm, shared[:1])
     second = run(leank_llm, shared[1:2])
@@ -225,3 +227,19 @@ def test_damaged_and_missing_masks_are_one_clear_error(tmp_path):
     (bad / "config.json").write_text(json.dumps({"format_version": 99}))
     with pytest.raises(MaskError, match="format_version"):
         load_checked_mask(settings_from({"leank_mask": str(bad)}), cfg)
+
+
+def test_the_positional_rule_chunked_and_cached_equals_leank_model(model_dir, shared, prompts):
+    """``leank_rule: "positional"``, 256-token chunks, a shared document hit in the prefix cache: token for token
+    LeanKModel(rule="positional")'s. (Last in the module: deleting an engine tears down vLLM's process-wide
+    state, which the module's shared engine needs.)"""
+    from vllm import LLM
+
+    config = {"leank_mask": MASK, "leank_rule": "positional"}
+    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=256, **ENGINE)
+    try:
+        got = generate(llm, shared[:1]) + generate(llm, shared[1:] + prompts)
+        assert got == reference_tokens(shared + prompts, NEW_TOKENS, rule="positional")
+    finally:
+        del llm
+        gc.collect()
