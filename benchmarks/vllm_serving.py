@@ -1,7 +1,7 @@
 """Two serving workloads, plain vLLM vs vLLM + LeanK, each engine fresh, vLLM's defaults on.
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py [--mask hub/smollm2-135m-instruct-s3] [--kv-gib 1]
-        [--workloads prefix ttft] [--threads 2] [--json out.json]
+        [--workloads prefix ttft] [--rules dense-prompt positional] [--threads 2] [--json out.json]
 
 - ``prefix``: 32 requests sharing one 3,000-token document, each with its own question (what a RAG or
   chat server with one system prompt sees), 16 new tokens each, all submitted at once. Prints the
@@ -12,7 +12,8 @@
   token and the decoders' output tokens/s while the arrivals prefill, driving the engine one
   ``step()`` at a time (wall clock).
 
-The embedded SmolLM2-135M-Instruct (the de-quantised copy in ``~/.cache/leank``, offline), fp32, with
+One LeanK engine per rule of ``--rules`` (``additional_config`` ``leank_rule``; default the plugin's default,
+``dense-prompt``), after the plain one. The embedded SmolLM2-135M-Instruct (the de-quantised copy in ``~/.cache/leank``, offline), fp32, with
 ``VLLM_CPU_KVCACHE_SPACE=--kv-gib`` and ``OMP_NUM_THREADS=--threads`` for both engines. The last thing
 printed is a markdown table.
 """
@@ -93,9 +94,9 @@ def ttft(llm) -> dict:  # noqa: ANN001
 def child(args: argparse.Namespace) -> None:
     from vllm import LLM
 
-    extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
+    extra = {"additional_config": {"leank_mask": args.mask, "leank_rule": args.rule}} if args.mask else {}
     llm = LLM(model=model_dir(), dtype="float32", max_model_len=4096, **extra)
-    out = {"engine": "leank" if args.mask else "plain", "workload": args.workload}
+    out = {"engine": f"leank, {args.rule}" if args.mask else "plain", "workload": args.workload}
     out.update(prefix(llm) if args.workload == "prefix" else ttft(llm))
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -105,11 +106,14 @@ def main() -> None:
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
     p.add_argument("--kv-gib", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["prefix", "ttft"], choices=["prefix", "ttft"])
+    p.add_argument("--rules", nargs="+", default=["dense-prompt"], choices=["dense-prompt", "positional"],
+                   help="one LeanK engine per rule (additional_config leank_rule)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-serving.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--rule", default="dense-prompt", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -117,8 +121,8 @@ def main() -> None:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}  # fmt: skip
     rows = []
     for workload in args.workloads:
-        for mask in ("", args.mask):
-            cmd = [sys.executable, __file__, "--child", "--workload", workload, "--mask", mask]
+        for mask, rule in [("", "dense-prompt"), *((args.mask, r) for r in args.rules)]:
+            cmd = [sys.executable, __file__, "--child", "--workload", workload, "--mask", mask, "--rule", rule]
             run = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
             if run.returncode or not line:

@@ -1,6 +1,6 @@
 """Decode throughput of plain vLLM vs vLLM + LeanK: at equal batches and at each engine's maximum concurrency.
 
-    .venv-vllm/bin/python benchmarks/vllm_throughput.py [--mask hub/smollm2-135m-instruct-s3]
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py [--mask hub/smollm2-135m-instruct-s3] [--rule dense-prompt]
         [--contexts 2048 8192] [--batches 1 4 16] [--threads 1 2] [--steps 8] [--repeats 1] [--cap-gib 4]
         [--json out.json] [--save]
 
@@ -78,7 +78,7 @@ def decode_steps(engine, n: int) -> dict:  # noqa: ANN001
 def child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
+    extra = {"additional_config": {"leank_mask": args.mask, "leank_rule": args.rule}} if args.mask else {}
     llm = LLM(model=model_dir(), dtype="float32", max_model_len=args.context, max_num_seqs=max(args.batches + [64]),
               kv_cache_memory_bytes=args.kv_bytes, **extra)  # fmt: skip
     engine = llm.llm_engine
@@ -108,7 +108,8 @@ def run(args: argparse.Namespace, mask: str, context: int, threads: int, phase: 
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}  # fmt: skip
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     cmd = [sys.executable, __file__, "--child", "--mask", mask, "--context", str(context), "--phase", phase,
-           "--kv-bytes", str(kv), "--steps", str(args.steps), "--batches", *map(str, batches or [0])]  # fmt: skip
+           "--kv-bytes", str(kv), "--steps", str(args.steps), "--rule", args.rule,
+           "--batches", *map(str, batches or [0])]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode or not line:
@@ -175,6 +176,8 @@ def table(rows: list[dict], mask: str, threads: int, repeats: int = 1) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
+    p.add_argument("--rule", default="dense-prompt", choices=["dense-prompt", "positional"],
+                   help="the rule the LeanK engine serves (additional_config leank_rule)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])

@@ -11,54 +11,12 @@ import pytest
 import torch
 from conftest import tiny_model
 from test_model import prompt, random_mask
-from test_positional import GREEDY, left_padded, positions
+from test_positional import GREEDY, left_padded, positions, reference_greedy
 
 from leank_infer import LeanKModel
-from leank_infer.decode.attention import dense_attention
 from leank_infer.decode.cache import LeanKCache, fill_from_prefill
-from leank_infer.decode.masked_attention import leank_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-REF = "leank_dense_prompt_ref"
-
-
-def reference_greedy(model, mask, ids: torch.Tensor, attn: torch.Tensor, new: int):
-    """Greedy decoding where every forward is the whole sequence so far: queries of the prompt (padded index below
-    its width) by the model's dense attention, the others by the positional rule. (sequences, last logits)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    starts = (attn == 0).long().cumprod(-1).sum(-1)
-    width = ids.shape[1]
-
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-        n, k = query.shape[2], key.shape[2]
-        dense = dense_attention(module, query, key, value, attention_mask, scaling, softcap)[0]
-        out = leank_attention(query, key, value, mask.keep[module.layer_idx].float(), torch.arange(k - n, k),
-                              mask.sink_size, mask.recent_size, scaling, key_start=starts, skip_zero_heads=True,
-                              softcap=softcap, accumu_size=mask.accumu_size)
-        in_prompt = torch.arange(k - n, k) < width
-        out[:, in_prompt] = dense[:, in_prompt].to(out.dtype)
-        return out, None
-
-    AttentionInterface.register(REF, attend)
-    AttentionMaskInterface.register(REF, sdpa_mask)
-    impl = model.config._attn_implementation
-    model.set_attn_implementation(REF)
-    logits = []
-    try:
-        with torch.no_grad():
-            for _ in range(new):
-                last = model(ids, attention_mask=attn, position_ids=positions(attn)).logits[:, -1]
-                logits.append(last)
-                pick = last.clone()
-                pick[:, model.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens does
-                ids = torch.cat([ids, pick.argmax(-1, keepdim=True)], 1)
-                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-    finally:
-        model.set_attn_implementation(impl)
-    return ids, logits
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -71,7 +29,7 @@ def test_greedy_generate_equals_the_reference_loop(family):
     new = 24
     kw = dict(max_new_tokens=new, min_new_tokens=new, **GREEDY)
     got = LeanKModel(model, mask, rule="dense-prompt").generate(ids, attention_mask=attn, **kw)
-    want_ids, want_logits = reference_greedy(model, mask, ids, attn, new)
+    want_ids, want_logits = reference_greedy(model, mask, ids, attn, new, dense_prompt=True)
     for step, (x, y) in enumerate(zip(got.logits, want_logits, strict=True)):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4, msg=f"step {step}")
     assert torch.equal(got.sequences, want_ids)

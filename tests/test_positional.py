@@ -41,13 +41,16 @@ def positions(attn: torch.Tensor) -> torch.Tensor:
     return (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
 
 
-def reference_greedy(model, mask: ChannelMask, ids: torch.Tensor, attn: torch.Tensor, new: int):
+def reference_greedy(model, mask: ChannelMask, ids: torch.Tensor, attn: torch.Tensor, new: int, dense_prompt: bool = False):
     """Greedy decoding (never the end-of-sequence token, as ``min_new_tokens``) where every forward is the whole
-    sequence so far under ``leank_attention(accumu_size=A)`` (no cache): (sequences, per-step last logits)."""
+    sequence so far under ``leank_attention(accumu_size=A)`` (no cache): (sequences, per-step last logits).
+    ``dense_prompt``: queries of the prompt (padded index below its width) by the model's dense attention
+    instead (the ``"dense-prompt"`` rule)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     starts = (attn == 0).long().cumprod(-1).sum(-1)
+    width = ids.shape[1]
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         if module.layer_idx in mask.dense_layers:  # a sliding layer (Gemma 2): the model's own attention
@@ -56,6 +59,10 @@ def reference_greedy(model, mask: ChannelMask, ids: torch.Tensor, attn: torch.Te
         out = leank_attention(query, key, value, mask.keep[module.layer_idx].float(), torch.arange(k - n, k),
                               mask.sink_size, mask.recent_size, scaling, key_start=starts, skip_zero_heads=True,
                               softcap=softcap, accumu_size=mask.accumu_size)
+        if dense_prompt:
+            in_prompt = torch.arange(k - n, k) < width
+            dense = dense_attention(module, query, key, value, attention_mask, scaling, softcap)[0]
+            out[:, in_prompt] = dense[:, in_prompt].to(out.dtype)
         return out, None
 
     AttentionInterface.register(REF, attend)

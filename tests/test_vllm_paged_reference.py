@@ -80,7 +80,7 @@ def test_dense_prompt_chunk_is_causal_attention_over_every_channel(length, cache
     """The dense-prompt rule's prompt chunk (the window pages' full rows, then SDPA) is the model's causal
     attention over every key and channel, from any cached prefix; a middle key's dropped channels count."""
     from leank_infer.vllm.kernels import dense_prefill
-    from leank_infer.vllm.paged_reference import request_full_kv
+    from leank_infer.vllm.paged_reference import request_kv
 
     mask = random_mask(2, 3, 64, [3, 0, 64], seed=length)
     pages = random_pages(mask, [max(cached, 1)], layer=0, q_heads=6, fp8=fp8, whole_window=True,
@@ -89,8 +89,8 @@ def test_dense_prompt_chunk_is_causal_attention_over_every_channel(length, cache
     n = length - cached
     q = torch.randn(n, 6, 64, generator=g).to(dtype)
     new = (torch.randn(n, 3, 64, generator=g).to(dtype), torch.randn(n, 3, 64, generator=g).to(dtype))
-    k, v = request_full_kv(pages.plan, pages.slot, pages.window, pages.window_table[0], cached, *new, dtype,
-                           pages.k_scale, pages.v_scale, pages.fp8)  # fmt: skip
+    k, v = request_kv(pages.plan, pages.slot, pages.packed, pages.packed_table[0], pages.window, pages.window_table[0],
+                      length, cached, *new, dtype, pages.k_scale, pages.v_scale, pages.fp8, whole=True)  # fmt: skip
     keys = torch.cat([pages.keys[0][:cached].to(dtype), new[0]]).float()
     values = torch.cat([pages.values[0][:cached].to(dtype), new[1]]).float()
     torch.testing.assert_close(k.float(), keys)

@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from ..mask import ChannelMask, MaskError
 from . import kernels
-from .paged_reference import request_full_kv, request_kv
+from .paged_reference import request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import load_checked_mask, settings_from
 from .stores import PackedBackend, Store, WindowBackend
@@ -139,8 +139,10 @@ class LeanKAttentionMixin:
             table = window_md.block_table[row]
             split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense
             if split > start:
-                kk, vv = request_full_kv(self.plan, slot, window, table, cached, k[start:split], v[start:split],
-                                         q.dtype, *scales)  # fmt: skip
+                kk, vv = request_kv(
+                    self.plan, slot, packed, md.block_table[row], window, table, split - start + cached, cached,
+                    k[start:split], v[start:split], q.dtype, *scales, whole=True,
+                )  # fmt: skip
                 out[start:split] = kernels.dense_prefill(q[start:split], kk, vv, cached, self.scale)
             if end > split:  # generated tokens recomputed after a preemption, or the positional rule
                 first = cached + split - start

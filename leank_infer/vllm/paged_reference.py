@@ -47,26 +47,30 @@ def request_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8: torch.dtype | None = None,
+    whole: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``[length, heads, head_dim]`` K and V of one request as the queries from ``first_query`` on see them.
 
     Positions ``[first_query, length)`` come from ``new_k``/``new_v`` (the step's own tokens), the sink and
     the window before the first query from the window pages, every other position from the packed
-    pages (K zero in the channels the layer does not keep, V zero for heads that keep none).
+    pages (K zero in the channels the layer does not keep, V zero for heads that keep none). ``whole``:
+    every earlier position from the window pages, with every channel (a prompt chunk under the dense-prompt
+    rule: the window pages hold the whole prompt until it is computed).
     """
     h, d = plan.num_kv_heads, plan.head_dim
-    layout = slot.layout
     pos = torch.arange(length, device=packed.device)
-    rows = page_rows(packed, packed_table, pos)[:, slot.packed_offset : slot.packed_offset + slot.packed_width]
-    nk, nv = layout.k_index.numel(), layout.v_index.numel()
-    lay = layout.to(packed.device)
     k = torch.zeros(length, h * d, dtype=dtype, device=packed.device)
     v = torch.zeros(length, h * d, dtype=dtype, device=packed.device)
-    k[:, lay.k_index] = to_compute(rows[:, :nk], dtype, k_scale, fp8)
-    v[:, lay.v_index] = to_compute(rows[:, nk : nk + nv], dtype, v_scale, fp8)
+    if not whole:
+        layout = slot.layout
+        rows = page_rows(packed, packed_table, pos)[:, slot.packed_offset : slot.packed_offset + slot.packed_width]
+        nk, nv = layout.k_index.numel(), layout.v_index.numel()
+        lay = layout.to(packed.device)
+        k[:, lay.k_index] = to_compute(rows[:, :nk], dtype, k_scale, fp8)
+        v[:, lay.v_index] = to_compute(rows[:, nk : nk + nv], dtype, v_scale, fp8)
     k, v = k.view(length, h, d), v.view(length, h, d)
     # full channels where the window pages hold them: the sink, and from the first query's window on
-    start = positional_recent_from(first_query, plan.recent, plan.accumu)
+    start = 0 if whole else positional_recent_from(first_query, plan.recent, plan.accumu)
     full = torch.cat([pos[: min(plan.sink, first_query)], pos[max(start, plan.sink) : first_query]])
     if full.numel():
         wrows = page_rows(window, window_table, full)[:, slot.window_offset : slot.window_offset + 2 * h * d]
@@ -74,30 +78,6 @@ def request_kv(
         v[full] = to_compute(wrows[:, h * d :], dtype, v_scale, fp8).view(-1, h, d)
     k[first_query:] = new_k.to(dtype)
     v[first_query:] = new_v.to(dtype)
-    return k, v
-
-
-def request_full_kv(
-    plan: WorkerPlan,
-    slot: LayerSlot,
-    window: torch.Tensor,
-    window_table: torch.Tensor,
-    first_query: int,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
-    dtype: torch.dtype,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    fp8: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every channel of K and V ``[first_query + n, heads, head_dim]`` of a prompt chunk's request under the
-    ``"dense-prompt"`` rule: the earlier prompt tokens from the window pages (which hold every prompt token
-    until the prompt is computed), the chunk's own from ``new_k``/``new_v`` ``[n, heads, head_dim]``."""
-    h, d = plan.num_kv_heads, plan.head_dim
-    pos = torch.arange(first_query, device=window.device)
-    rows = page_rows(window, window_table, pos)[:, slot.window_offset : slot.window_offset + 2 * h * d]
-    k = torch.cat([to_compute(rows[:, : h * d], dtype, k_scale, fp8).view(-1, h, d), new_k.to(dtype)])
-    v = torch.cat([to_compute(rows[:, h * d :], dtype, v_scale, fp8).view(-1, h, d), new_v.to(dtype)])
     return k, v
 
 
