@@ -101,9 +101,10 @@ def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query
     for s in range(0, n, q_chunk):
         e = min(n, s + q_chunk)
         last = first_query + e  # no query of the chunk sees a key at or past it
-        allowed = keys[:last].view(1, -1) <= torch.arange(first_query + s, last, device=q.device).view(-1, 1)
+        square = first_query + s == 0  # queries and keys alike [0, e): SDPA's own causal mask, no mask tensor
+        allowed = None if square else keys[:last].view(1, -1) <= torch.arange(first_query + s, last, device=q.device).view(-1, 1)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qt[:, s:e], kt[:, :last], vt[:, :last], attn_mask=allowed, scale=scale, enable_gqa=True
+            qt[:, s:e], kt[:, :last], vt[:, :last], attn_mask=allowed, is_causal=square, scale=scale, enable_gqa=True
         )
         out[s:e] = o.transpose(0, 1)
     return out
