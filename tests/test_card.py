@@ -137,8 +137,8 @@ def test_card_statistics_carry_the_numbers_worked_out_by_hand(tmp_path):
 
 
 def test_card_says_the_rule_its_leank_rows_decoded_by(tmp_path):
-    """A run under the positional rule (what the vLLM plugin serves) says so above its table; rows without a rule
-    (older runs) say nothing about it."""
+    """A run under the positional or dense-prompt rule (the vLLM plugin's two) says so above its table; rows without
+    a rule (older runs) say nothing about it."""
     from leank_infer.hub.card import write_model_card
 
     _mask_dir(tmp_path)
@@ -148,3 +148,5 @@ def test_card_says_the_rule_its_leank_rows_decoded_by(tmp_path):
     assert "Rule of the LeanK rows" not in (tmp_path / "README.md").read_text()
     write_model_card(tmp_path, eval_results=[{**row, "metric_args": {"method": "leank", "rule": "positional"}}])
     assert "Rule of the LeanK rows: positional (every query" in (tmp_path / "README.md").read_text()
+    write_model_card(tmp_path, eval_results=[{**row, "metric_args": {"method": "leank", "rule": "dense-prompt"}}])
+    assert "Rule of the LeanK rows: dense-prompt (the prompt attended densely" in (tmp_path / "README.md").read_text()

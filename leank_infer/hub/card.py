@@ -316,9 +316,10 @@ def build_card(
         rules = sorted({str(r["metric_args"]["rule"]) for r in eval_results if (r.get("metric_args") or {}).get("rule")})
         if rules:
             said += f" Rule of the LeanK rows: {', '.join(rules)}" + (
-                " (every query, the prompt's too, pruned by its position: what the vLLM plugin serves)."
+                " (every query, the prompt's too, pruned by its position: the vLLM plugin's leank_rule positional)."
                 if rules == ["positional"] else " (dense-prefill: the prompt attended densely, then pruned decoding)."
-                if rules == ["dense-prefill"] else ".")
+                if rules == ["dense-prefill"] else " (the prompt attended densely, each generated token pruned by its "
+                "position: what the vLLM plugin serves)." if rules == ["dense-prompt"] else ".")
         results_md = f"## Results\n\n{said}\n\n" + "".join(
             f"`{cmd}`\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
             for cmd in commands)
