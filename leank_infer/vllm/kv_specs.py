@@ -31,7 +31,6 @@ counts, frees, caches and preempts these blocks like any other.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,9 +157,9 @@ class LeanKWindowManager(SlidingWindowManager):
         if need <= len(blocks):
             return []
         prompt = self._prompt.get(request_id, 0)
-        real = [i for i in range(len(blocks), need) if self._real(i, num_tokens, prompt)]
-        fresh = iter(self.block_pool.get_new_blocks(len(real)))
-        new = [next(fresh) if i in real else self._null_block for i in range(len(blocks), need)]
+        real = [self._real(i, num_tokens, prompt) for i in range(len(blocks), need)]
+        fresh = iter(self.block_pool.get_new_blocks(sum(real)))
+        new = [next(fresh) if r else self._null_block for r in real]
         blocks.extend(new)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new if not b.is_null)
@@ -242,9 +241,16 @@ class LeanKWindowManager(SlidingWindowManager):
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         assert isinstance(kv_cache_spec, LeanKWindowSpec)
-        if kv_cache_spec.dense_prompt:
-            return _hit_from_the_start(block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                                       alignment_tokens, cls.supports_fine_grained_hash_lookup)
+        if kv_cache_spec.dense_prompt:  # full attention's hit: the cached blocks from the first on
+            from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+            full = FullAttentionSpec(block_size=kv_cache_spec.block_size, num_kv_heads=kv_cache_spec.num_kv_heads,
+                                     head_size=kv_cache_spec.head_size, dtype=kv_cache_spec.dtype)  # fmt: skip
+            return FullAttentionManager.find_longest_cache_hit(
+                block_hashes, max_length, kv_cache_group_ids, block_pool, full,
+                drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
+            )  # fmt: skip
         computed, hit = super().find_longest_cache_hit(
             block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
             drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
@@ -286,29 +292,6 @@ class LeanKWindowManager(SlidingWindowManager):
         for i in range(start, min(start + len(mask), spec.sink_blocks)):
             mask[i - start] = True
         return mask
-
-
-def _hit_from_the_start(block_hashes: Any, max_length: int, group_ids: list[int], block_pool: Any,
-                        spec: LeanKWindowSpec, alignment_tokens: int, fine_grained: bool) -> tuple[tuple[list[Any], ...], int]:
-    """Full attention's hit: the cached blocks from the first on, cut to a multiple of ``alignment_tokens``."""
-    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
-
-    bs = spec.block_size
-    hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, bs,
-                                  supports_fine_grained_hash_lookup=fine_grained, alignment_tokens=alignment_tokens)
-    computed: tuple[list[Any], ...] = tuple([] for _ in group_ids)
-    for h in itertools.islice(hashes, max_length // bs):
-        cached = block_pool.get_cached_block(h, group_ids)
-        if cached is None:
-            break
-        for c, block in zip(computed, cached, strict=True):
-            c.append(block)
-    keep = len(computed[0])
-    while keep and (keep * bs) % alignment_tokens:
-        keep -= 1
-    for c in computed:
-        del c[keep:]
-    return computed, keep * bs
 
 
 _registered = False

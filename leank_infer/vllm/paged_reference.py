@@ -59,8 +59,9 @@ def request_kv(
     """
     h, d = plan.num_kv_heads, plan.head_dim
     pos = torch.arange(length, device=packed.device)
-    k = torch.zeros(length, h * d, dtype=dtype, device=packed.device)
-    v = torch.zeros(length, h * d, dtype=dtype, device=packed.device)
+    alloc = torch.empty if whole else torch.zeros  # whole: every position is written below
+    k = alloc(length, h * d, dtype=dtype, device=packed.device)
+    v = alloc(length, h * d, dtype=dtype, device=packed.device)
     if not whole:
         layout = slot.layout
         rows = page_rows(packed, packed_table, pos)[:, slot.packed_offset : slot.packed_offset + slot.packed_width]

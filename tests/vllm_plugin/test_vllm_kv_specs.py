@@ -233,6 +233,11 @@ def test_a_dense_prompt_caches_prompt_blocks_only_and_hits_from_the_start():
     m2 = manager(dense_prompt=True)
     _cache(m2, hashes, [0, 1, 2, 4, 5])  # a gap at block 3: the hit stops there
     assert _hit(m2, hashes, 600)[1] == 3 * BS
+    # the sink and a window, a gap between: the positional rule's hit covers it all, this one only the sink block
+    dense, positional = manager(dense_prompt=True), manager()
+    for m3 in (dense, positional):
+        _cache(m3, hashes, [0, *range(10, 18)])
+    assert _hit(dense, hashes, 18 * BS)[1] == BS and _hit(positional, hashes, 18 * BS)[1] == 18 * BS
     m2.remove_skipped_blocks("s", 0, 500)
     computed, _ = LeanKWindowManager.find_longest_cache_hit(hashes, 600, [0], m2.block_pool, m2.kv_cache_spec, False, BS)
     m2.add_local_computed_blocks("s", computed[0], 3 * BS, 0)
