@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402
 from vllm_capacity import model_dir  # noqa: E402
 
+from leank_infer.vllm.settings import SERVED_RULES  # noqa: E402
+
 
 def tokens(n: int, seed: int) -> list[int]:
     return [(7919 * seed + 104729 * j) % 20000 + 100 for j in range(n)]
@@ -106,14 +108,14 @@ def main() -> None:
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
     p.add_argument("--kv-gib", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["prefix", "ttft"], choices=["prefix", "ttft"])
-    p.add_argument("--rules", nargs="+", default=["dense-prompt"], choices=["dense-prompt", "positional"],
+    p.add_argument("--rules", nargs="+", default=[SERVED_RULES[0]], choices=SERVED_RULES,
                    help="one LeanK engine per rule (additional_config leank_rule)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-serving.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--rule", default="dense-prompt", help=argparse.SUPPRESS)
+    p.add_argument("--rule", default=SERVED_RULES[0], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -121,7 +123,7 @@ def main() -> None:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}  # fmt: skip
     rows = []
     for workload in args.workloads:
-        for mask, rule in [("", "dense-prompt"), *((args.mask, r) for r in args.rules)]:
+        for mask, rule in [("", SERVED_RULES[0]), *((args.mask, r) for r in args.rules)]:  # plain: the rule is unused
             cmd = [sys.executable, __file__, "--child", "--workload", workload, "--mask", mask, "--rule", rule]
             run = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]

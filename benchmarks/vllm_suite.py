@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_capacity import model_dir  # noqa: E402
 
+from leank_infer.vllm.settings import SERVED_RULES  # noqa: E402
+
 DEFAULT_MASK = "hub/smollm2-135m-instruct-s3"
 #: engine name -> (with the mask, kv_cache_dtype)
 ENGINES = {"vllm-fp32": (False, "auto"), "vllm-fp8": (False, "fp8"),
@@ -171,7 +173,7 @@ def run_engine(args: argparse.Namespace, engine: str, probes_file: Path, out_fil
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_suite.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=DEFAULT_MASK)
-    p.add_argument("--rule", default="dense-prompt", choices=["dense-prompt", "positional"],
+    p.add_argument("--rule", default=SERVED_RULES[0], choices=SERVED_RULES,
                    help="the rule the LeanK engines serve (additional_config leank_rule)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--samples", type=int, default=25, help="probes per task and length")

@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402
 from vllm_capacity import model_dir  # noqa: E402
 
+from leank_infer.vllm.settings import SERVED_RULES  # noqa: E402
+
 DENSE_TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # the embedded model's K+V per token, fp32
 
 
@@ -176,7 +178,7 @@ def table(rows: list[dict], mask: str, threads: int, repeats: int = 1) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
-    p.add_argument("--rule", default="dense-prompt", choices=["dense-prompt", "positional"],
+    p.add_argument("--rule", default=SERVED_RULES[0], choices=SERVED_RULES,
                    help="the rule the LeanK engine serves (additional_config leank_rule)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])

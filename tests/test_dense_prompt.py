@@ -72,3 +72,27 @@ def test_dense_until_is_refused():
     mask = random_mask()
     with pytest.raises(ValueError, match="dense_until=64 has no meaning under rule='dense-prompt'"):
         LeanKCache(mask, dense_until=64, rule="dense-prompt")
+
+
+def test_the_evaluation_answers_by_it_from_its_shared_dense_prefill(tmp_path):
+    """A method under the dense-prompt rule takes the evaluation's one dense prefill (its prompt attends densely)
+    and decodes by its own rule: each row's answer is that prompt's own ``generate`` under the rule."""
+    from test_model import tiny_repo
+
+    from leank_infer import ChannelMask
+    from leank_train.evaluation.loop import answer_batch
+    from leank_train.evaluation.methods import Learned
+
+    scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
+    mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
+    lm = LeanKModel.from_pretrained(mask_dir)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (64, 41, 57)]
+    got = answer_batch(lm, [Learned(), Learned("leank-dp", rule="dense-prompt")], prompts, [16, 16, 16])
+    rule = LeanKModel(lm.model, lm.mask, lm.tokenizer, rule="dense-prompt")
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        out = rule.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert got["leank-dp"][i] == lm.tokenizer.decode(out[0, len(p):], skip_special_tokens=True), i
+    assert got["leank-dp"] != got["leank"], "the rules should answer differently here (else the test cannot tell)"
