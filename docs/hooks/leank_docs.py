@@ -7,6 +7,7 @@
   ``<!-- leank:masks-table -->`` (the headline table of the published masks),
   ``<!-- leank:recipes-table -->`` (which recipe gives which mask, its budget and score),
   ``<!-- leank:suite-table -->`` (the evaluation suite's rows of every evaluated mask, per task),
+  ``<!-- leank:which-mask -->`` (the one recommendation: which mask for which use, length and engine),
   ``<!-- leank:cli -->`` (the ``leank`` command reference, rendered from the real parsers), and
   ``<!-- leank:NAME -->`` for a benchmark's measured table, ``docs/results/NAME.json`` (written by the
   benchmark's ``--save``, ``benchmarks/results.py``), shown with its command and date.
@@ -134,7 +135,7 @@ def masks_table(link: Callable[[str], str]) -> str:
         lines.append(
             f"| [{folder.name}]({link(folder.name)}) | {f['mask'].base_model} | {f['mask'].ratio:g} | "
             f"{_pct(s['k_kept_fraction'])} | {s['zero_heads']} of {s['total_heads']} | "
-            f"{b['leank']:,} of {b['dense']:,} ({b['ratio']:.2f}x) | {_share(h)} |"
+            f"{b['leank']:,} of {b['dense']:,} ({b['leank_over_dense']:.2f}x) | {_share(h)} |"
         )
         if h and h["command"]:
             commands.setdefault(h["command"], []).append(folder.name)
@@ -151,6 +152,91 @@ def masks_table(link: Callable[[str], str]) -> str:
     out.append("Masks marked \"not measured here\" were imported from the paper's release; "
                "their cards quote what the authors report.")
     return "\n".join(out)
+
+
+# ---- which mask to use -----------------------------------------------------------------------------------
+#: the recommendations: which committed mask for which use, prompt length and engine. The masks were chosen
+#: among candidates on the development seeds (docs/evaluation.md, "Dev and report seeds"); the numbers that
+#: back each row are read from the mask's ``eval.json`` (the report seed) when the table is drawn.
+DEFAULT_ENGINES = "transformers or vLLM (the default rule, dense-prompt)"
+RECOMMENDED: list[dict[str, Any]] = [
+    {"mask": "smollm2-135m-instruct-s3", "use": "0.7 of K pruned, the fewest bytes at 0.7",
+     "up_to": 2048, "engines": DEFAULT_ENGINES, "positional": False},
+    {"mask": "smollm2-135m-instruct", "use": "long prompts, closest to the full model",
+     "up_to": 4096, "engines": DEFAULT_ENGINES, "positional": False},
+    {"mask": "smollm2-135m-instruct-r80-s3-8k", "use": "long prompts, the fewest bytes",
+     "up_to": 4096, "engines": DEFAULT_ENGINES, "positional": False},
+    {"mask": "smollm2-135m-instruct-s3-positional",
+     "use": "vLLM holding more requests at once (prompts stored pruned while computed)",
+     "up_to": 2048, "engines": "vLLM with `leank_rule: positional`", "positional": True},
+]
+
+
+def headlines_by_length(folder: Path, positional: bool = False) -> dict[int, dict[str, Any]]:
+    """Per length, the mask's headline against the full model's from ``eval.json``: under the positional rule or
+    not, and where several runs measured a length, the one with the most probes there (as :func:`headline`)."""
+    results = eval_record(folder).get("results", [])
+    runs: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        args = r.get("dataset_args") or {}
+        if args.get("task") != "headline" or r["metric_config"] not in ("full", "leank"):
+            continue
+        is_positional = (r.get("metric_args") or {}).get("rule") == "positional"
+        if r["metric_config"] == "leank" and is_positional != positional:
+            continue
+        runs.setdefault((args["length"], r.get("command")), {})[r["metric_config"]] = r
+    n_of: dict[tuple[int, str], dict[str, int]] = {}  # the full model's probes per task of each run and length
+    for r in results:
+        args = r.get("dataset_args") or {}
+        if r["metric_config"] == "full" and args.get("task") != "headline":
+            n_of.setdefault((args.get("length"), r.get("command")), {})[args["task"]] = r["metric_args"]["n"]
+    out: dict[int, dict[str, Any]] = {}
+    for (length, command), at in runs.items():
+        if "full" not in at or "leank" not in at:
+            continue
+        per_task = n_of.get((length, command), {})
+        tasks = at["leank"]["dataset_args"].get("tasks", [])
+        if length in out and out[length]["all_probes"] >= sum(per_task.values()):
+            continue
+        paired = at["leank"].get("metric_args", {}).get("paired_vs_full", {})
+        out[length] = {"full": at["full"]["value"], "leank": at["leank"]["value"], "tasks": len(tasks),
+                       "probes": sum(per_task.get(t, 0) for t in tasks), "measured": len(per_task),
+                       "all_probes": sum(per_task.values()), "lost": paired.get("only_full"),
+                       "gained": paired.get("only_method"), "command": command}
+    return dict(sorted(out.items()))
+
+
+def _length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def which_mask_table(link: Callable[[str], str]) -> str:
+    """The one recommendation: which mask for which use, length and engine, each row's reasons read from the
+    mask's ``eval.json`` (report seed) at every length it was measured."""
+    lines = ["| mask | use | prompt length | engine | KV bytes per pruned token | why: headline vs the full model "
+             "(report seed), per length |", "|---|---|---|---|---:|---|"]
+    for rec in RECOMMENDED:
+        folder = HUB / rec["mask"]
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"the recommended mask hub/{rec['mask']} is not committed")
+        b = mask_facts(folder)["stats"]["bytes_per_token"]
+        heads = headlines_by_length(folder, rec["positional"])
+        if rec["up_to"] not in heads and not any(n > rec["up_to"] for n in heads):
+            raise ValueError(f"hub/{rec['mask']}/eval.json has no run at {rec['up_to']} tokens or longer, "
+                             "which its recommended length needs")
+        why = "; ".join(f"{_length(n)} {h['leank']:.3f} vs {h['full']:.3f} (-{h['lost']}/+{h['gained']} of "
+                        f"{h['probes']})" for n, h in heads.items())
+        lines.append(f"| [{rec['mask']}]({link(rec['mask'])}) | {rec['use']} | up to {rec['up_to']:,} tokens | "
+                     f"{rec['engines']} | {b['leank_over_dense']:.2f}x | {why} |")
+    # the longest length any card measured: what the full model itself can do there
+    runs = [(n, h) for f in mask_folders() for n, h in headlines_by_length(f).items()]
+    n = max(length for length, _ in runs)
+    h = max((h for length, h in runs if length == n), key=lambda h: h["all_probes"])
+    per_task = h["all_probes"] // max(h["measured"], 1)
+    lines.append(f"| none judged | prompts of {n:,} tokens | {n:,} tokens | either | | the full model passes "
+                 f"{h['tasks']} of the {h['measured']} tasks measured there ({per_task} probes each): "
+                 "too little to choose a mask on |")
+    return "\n".join(lines)
 
 
 def cpu_time(recipe: Path) -> str:
@@ -191,7 +277,7 @@ def recipes_table(link: Callable[[str], str]) -> str:
             mask = f"[{folder.name}]({link(folder.name)})"
             if (f["mask"].extra or {}).get("provenance"):  # imported: the run is compared with it, did not make it
                 mask = f"none trained here; compares with the imported {mask}"
-            cost = f"{b['leank']:,} ({b['ratio']:.2f}x)"
+            cost = f"{b['leank']:,} ({b['leank_over_dense']:.2f}x)"
             score = _share(f["headline"])
         else:
             mask, cost, score = "none committed", "", ""
@@ -358,6 +444,7 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
         "masks-table": lambda: masks_table(link),
         "recipes-table": lambda: recipes_table(link),
         "suite-table": lambda: suite_table(link),
+        "which-mask": lambda: which_mask_table(link),
         "cli": cli_reference,
     }
 

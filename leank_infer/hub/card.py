@@ -345,7 +345,7 @@ def build_card(
         dtype=s["bytes_per_token"]["dtype"],
         leank_bytes=s["bytes_per_token"]["leank"],
         dense_bytes=s["bytes_per_token"]["dense"],
-        bytes_ratio=s["bytes_per_token"]["ratio"],
+        bytes_ratio=s["bytes_per_token"]["leank_over_dense"],
         sink=mask.sink_size,
         recent=mask.recent_size,
         accumu=mask.accumu_size,

@@ -198,7 +198,7 @@ class ChannelMask:
                 "dtype": str(dtype).replace("torch.", ""),
                 "dense": per["dense"],
                 "leank": per["leank_middle"],
-                "ratio": per["leank_middle"] / per["dense"],
+                "leank_over_dense": per["leank_middle"] / per["dense"],
             },
         }
 

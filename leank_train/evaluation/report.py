@@ -143,6 +143,6 @@ def format_sweep(sweep: dict[str, Any]) -> str:
     for r in sorted(sweep["masks"], key=lambda r: r["ratio"]):
         b = r["bytes_per_token"]
         lines.append(f"| {r['mask']} | {r['ratio']:g} | {r['k_kept']:.1%} | {r['v_kept']:.1%} | {r['zero_heads']} | "
-                     f"{b['leank']:,} ({b['ratio']:.2f}x) | " + " | ".join(f"{r['accuracy'][n]:.2f}" for n in lengths)
+                     f"{b['leank']:,} ({b['leank_over_dense']:.2f}x) | " + " | ".join(f"{r['accuracy'][n]:.2f}" for n in lengths)
                      + " |")
     return "\n".join(lines)
