@@ -314,3 +314,61 @@ def test_the_recipes_table_shows_each_recipes_prompt_lengths_and_measured_cpu_ti
     row = next(line for line in table.splitlines() if "`recipes/smollm2-135m-s3-8k.yaml`" in line)
     assert "| 1,000-8,000 |" in row and "15 s of one core a step" in row
     assert "| 500-2,000 |" in next(line for line in table.splitlines() if "`recipes/smollm2-135m.yaml`" in line)
+
+
+# ---- the first hour ----------------------------------------------------------------------------------------------
+ISSUE_REF = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d+\b")
+
+
+def issue_references(text: str) -> list[str]:
+    """``#22``, ``issue 34``: references to a tracker a reader of the docs cannot follow (an upstream
+    ``owner/repo#123`` names its repository and is fine)."""
+    return [m.group(0) for m in ISSUE_REF.finditer(text)]
+
+
+def test_no_page_cites_an_issue_number():
+    """The docs say what the code does; an issue number belongs to git history, not to a page."""
+    assert issue_references("fixed in #22, see issue 34 and Issue #31's item") == ["#22", "issue 34", "Issue #31"]
+    assert issue_references("upstream triton-lang/triton#11584; [link](#lengths-of-use)") == []
+    hits = [f"{rel(p)}: {ref}" for p in [*PAGES, *CARDS] for ref in issue_references(p.read_text())]
+    assert not hits, hits
+
+
+def quick_start_output(page: Path) -> str:
+    """What the page's first Python block (the quick start) prints, run from the repository root."""
+    code = next(b for b in blocks(page) if b["lang"] == "python")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code["body"], f"{rel(page)}:{code['line']}", "exec"), {"__name__": "docs_example"})
+    return out.getvalue()
+
+
+@pytest.mark.slow
+def test_the_quick_start_prunes_and_says_so(monkeypatch):
+    """The README's and the quick start page's first example is one block; its prompt is longer than the tokens
+    kept whole, so the cache of that generate call holds less than a dense one, and the page quotes what it
+    prints."""
+    monkeypatch.chdir(ROOT)
+    readme, page = ROOT / "README.md", DOCS / "quickstart.md"
+    first = [next(b["body"] for b in blocks(p) if b["lang"] == "python") for p in (readme, page)]
+    assert first[0] == first[1], "README.md and docs/quickstart.md show different quick starts"
+    printed = quick_start_output(page)
+    share = re.search(r"(\d+) tokens: KV ([\d,]+) bytes, (\d+)% of dense ([\d,]+)", printed)
+    kept = re.search(r"kept whole: (\d+), pruned: (\d+)", printed)
+    assert share and kept, printed
+    assert int(share[3]) < 100 and int(kept[2]) > 0, printed
+    assert int(kept[2]) < int(share[1])  # the pruned tokens are the cache's, and fewer than all of it
+    for p in (readme, page):  # the quoted output is what it prints now
+        assert f"`{share[0]}`" in p.read_text().replace("\n", " "), f"{rel(p)} quotes another output than {share[0]!r}"
+
+
+def test_stats_byte_ratio_is_not_named_like_the_masks_ratio():
+    """``mask.ratio`` is the fraction of K channels pruned; the bytes' quotient has a name of its own."""
+    import torch
+
+    from leank_infer import ChannelMask
+
+    mask = ChannelMask.from_pretrained(ROOT / "hub" / "smollm2-135m-instruct-s3")
+    b = mask.stats(dtype=torch.bfloat16)["bytes_per_token"]
+    assert "ratio" not in b
+    assert b["leank_over_dense"] == b["leank"] / b["dense"] != mask.ratio
