@@ -372,3 +372,29 @@ def test_stats_byte_ratio_is_not_named_like_the_masks_ratio():
     b = mask.stats(dtype=torch.bfloat16)["bytes_per_token"]
     assert "ratio" not in b
     assert b["leank_over_dense"] == b["leank"] / b["dense"] != mask.ratio
+
+
+def test_which_mask_reads_each_length_from_the_eval_record(tmp_path):
+    """The recommendation's reasons come from eval.json: per length the run with the most probes, the positional
+    rule's rows only for the positional row; and the pages that mention a choice of mask link to the one table."""
+    def rows(command, length, full, leank, lost, n, rule=None, tasks=("a", "b")):
+        head = {"task": "headline", "length": length, "tasks": list(tasks)}
+        out = [{"dataset_args": head, "metric_config": "full", "value": full, "command": command, "metric_args": {}},
+               {"dataset_args": head, "metric_config": "leank", "value": leank, "command": command,
+                "metric_args": {"rule": rule, "paired_vs_full": {"only_full": lost, "only_method": 0}}}]
+        return out + [{"dataset_args": {"task": t, "length": length}, "metric_config": "full", "value": 1.0,
+                       "command": command, "metric_args": {"n": n}} for t in tasks]
+
+    record = [*rows("small", 1024, 1.0, 0.9, 2, 10), *rows("big", 1024, 0.95, 0.93, 1, 25),
+              *rows("pos", 1024, 0.95, 0.8, 6, 25, rule="positional"), *rows("long", 4096, 1.0, 0.98, 2, 34, tasks="abc")]
+    (tmp_path / "eval.json").write_text(json.dumps({"results": record}))
+    h = hooks()
+    plain, positional = h.headlines_by_length(tmp_path), h.headlines_by_length(tmp_path, positional=True)
+    assert (plain[1024]["command"], plain[1024]["leank"], plain[1024]["lost"], plain[1024]["probes"]) == ("big", 0.93, 1, 50)
+    assert (plain[4096]["probes"], plain[4096]["tasks"]) == (102, 3)
+    assert (positional[1024]["command"], positional[1024]["leank"]) == ("pos", 0.8) and 4096 not in positional
+    table = h.which_mask_table(lambda name: name)
+    for rec in h.RECOMMENDED:
+        assert f"[{rec['mask']}]" in table
+    for page in (ROOT / "README.md", DOCS / "index.md", DOCS / "quickstart.md", DOCS / "evaluation.md", DOCS / "vllm.md"):
+        assert "masks.md#which-mask" in page.read_text(), f"{rel(page)} does not link to the Which mask table"

@@ -158,17 +158,16 @@ def masks_table(link: Callable[[str], str]) -> str:
 #: the recommendations: which committed mask for which use, prompt length and engine. The masks were chosen
 #: among candidates on the development seeds (docs/evaluation.md, "Dev and report seeds"); the numbers that
 #: back each row are read from the mask's ``eval.json`` (the report seed) when the table is drawn.
-DEFAULT_ENGINES = "transformers or vLLM (the default rule, dense-prompt)"
+DEFAULT_ENGINES = "both, default rule"
 RECOMMENDED: list[dict[str, Any]] = [
-    {"mask": "smollm2-135m-instruct-s3", "use": "0.7 of K pruned, the fewest bytes at 0.7",
+    {"mask": "smollm2-135m-instruct-s3", "use": "short prompts",
      "up_to": 2048, "engines": DEFAULT_ENGINES, "positional": False},
     {"mask": "smollm2-135m-instruct", "use": "long prompts, closest to the full model",
      "up_to": 4096, "engines": DEFAULT_ENGINES, "positional": False},
     {"mask": "smollm2-135m-instruct-r80-s3-8k", "use": "long prompts, the fewest bytes",
      "up_to": 4096, "engines": DEFAULT_ENGINES, "positional": False},
-    {"mask": "smollm2-135m-instruct-s3-positional",
-     "use": "vLLM holding more requests at once (prompts stored pruned while computed)",
-     "up_to": 2048, "engines": "vLLM with `leank_rule: positional`", "positional": True},
+    {"mask": "smollm2-135m-instruct-s3-positional", "use": "more requests at once",
+     "up_to": 2048, "engines": "vLLM, `leank_rule: positional`", "positional": True},
 ]
 
 
@@ -213,8 +212,8 @@ def _length(n: int) -> str:
 def which_mask_table(link: Callable[[str], str]) -> str:
     """The one recommendation: which mask for which use, length and engine, each row's reasons read from the
     mask's ``eval.json`` (report seed) at every length it was measured."""
-    lines = ["| mask | use | prompt length | engine | KV bytes per pruned token | why: headline vs the full model "
-             "(report seed), per length |", "|---|---|---|---|---:|---|"]
+    lines = ["| mask | use | prompt | engine | bytes | why: headline vs the full model (report seed) |",
+             "|---|---|---|---|---:|---|"]
     for rec in RECOMMENDED:
         folder = HUB / rec["mask"]
         if not (folder / "config.json").is_file():
@@ -226,14 +225,14 @@ def which_mask_table(link: Callable[[str], str]) -> str:
                              "which its recommended length needs")
         why = "; ".join(f"{_length(n)} {h['leank']:.3f} vs {h['full']:.3f} (-{h['lost']}/+{h['gained']} of "
                         f"{h['probes']})" for n, h in heads.items())
-        lines.append(f"| [{rec['mask']}]({link(rec['mask'])}) | {rec['use']} | up to {rec['up_to']:,} tokens | "
+        lines.append(f"| [{rec['mask']}]({link(rec['mask'])}) | {rec['use']} | up to {_length(rec['up_to'])} | "
                      f"{rec['engines']} | {b['leank_over_dense']:.2f}x | {why} |")
     # the longest length any card measured: what the full model itself can do there
     runs = [(n, h) for f in mask_folders() for n, h in headlines_by_length(f).items()]
     n = max(length for length, _ in runs)
     h = max((h for length, h in runs if length == n), key=lambda h: h["all_probes"])
     per_task = h["all_probes"] // max(h["measured"], 1)
-    lines.append(f"| none judged | prompts of {n:,} tokens | {n:,} tokens | either | | the full model passes "
+    lines.append(f"| none judged | | {_length(n)} | both | | the full model passes "
                  f"{h['tasks']} of the {h['measured']} tasks measured there ({per_task} probes each): "
                  "too little to choose a mask on |")
     return "\n".join(lines)
