@@ -173,3 +173,19 @@ def test_attention_backend_flag_is_an_override_refused_with_one_error_when_leank
     monkeypatch.setenv("LEANK_MASK", MASK)  # the mask named by the environment counts the same
     with engine(None):
         assert hopper.get_attn_backend_cls(None, selector()) == CUDA_BACKEND
+
+
+@pytest.mark.slow
+def test_gpu_checks_engine_at_cpu_size_gives_every_layer_to_leank_without_a_flag(tmp_path):
+    """benchmarks/gpu_check.py's engine run (its own process, started with no attention-backend argument) on
+    vLLM's CPU build at CPU size: every decoder layer is LeanK's and the step timing comes back. On a GPU the
+    same code runs the 8B shape (unmeasured here)."""
+    from conftest import load_benchmark  # tests/conftest.py
+
+    gpu_check = load_benchmark("gpu_check")
+    model, mask = tmp_path / "model", tmp_path / "mask"
+    gpu_check.llama_config(True).save_pretrained(model)
+    gpu_check._vllm_mask(True).save_pretrained(mask)
+    out = gpu_check.run_engine(str(model), str(mask), True, timeout=600)
+    assert out["impls"] == ["LeanKCPUAttentionImpl"] and out["leank_layers"] == out["layers"] == 2, out
+    assert out["kv_cache_tokens"] > 0 and out["running"] >= 1 and out["tok_s"] > 0, out
