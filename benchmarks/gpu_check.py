@@ -20,10 +20,11 @@ Parts, each timed and guarded (a failing part is a FAILED row, the others still 
    at batch 1/16/64 x 2k/8k, both replayed in CUDA graphs; (c) one decode step of a LeanK layer (write +
    decode) captured in a CUDA graph, replayed on other lengths and compared with eager, once after a
    warm-up and once compiling inside the capture as vLLM does. Then, when vLLM (CUDA build) and the leank
-   plugin are installed, ``benchmarks/vllm_throughput.py`` on the 8B shape with random weights
-   (``--load-format dummy``, ``--attention-backend TRITON_ATTN``): plain vs LeanK KV tokens, sequences
-   running and decode tokens/s at 32k in 8 GiB of KV. ``--parts vllm`` alone takes about 3 minutes
-   (estimated: not run on a GPU yet).
+   plugin are installed, a plain and a LeanK engine on the 8B shape with random weights (``load_format
+   "dummy"``), each in its own process, started as a user starts one: no attention-backend argument, the
+   LeanK one naming the mask only (:func:`engine_args`); per engine the attention implementation vLLM gave
+   its layers, its KV tokens, the sequences running and decode tokens/s at 32k in 8 GiB of KV.
+   ``--parts vllm`` alone takes about 3 minutes (estimated: not run on a GPU yet).
 
 The last thing printed is one short markdown table; it is also written to ``--out``. Random weights: the
 timings and memory are the real model's (same shapes, same kernels), the generated tokens are noise.
@@ -41,8 +42,10 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -76,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-context", type=int, default=32768, help="context tokens of each training sample")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip parts not yet started once this many seconds have passed (the whole run stays < 8 min)")
+    p.add_argument("--engine-child", help=argparse.SUPPRESS)  # one vLLM engine of the vllm part (JSON spec)
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     bad = [x for x in parts if x not in ("kernel", "decode", "train", "vllm")]
@@ -642,9 +646,74 @@ def part_vllm_graph(small: bool, device: torch.device) -> list[dict[str, str]]:
     return [graph_case(mask, 4, 16, True, device), graph_case(mask, 7, 32, False, device)]
 
 
+# One engine of the vllm part: (context, KV bytes, dtype, timed decode steps, requests submitted). GPU: the 8B shape
+# at 32k in 8 GiB (plain holds 2 such requests); small: the 2-layer model on vLLM's CPU build (tests only).
+ENGINE_GPU = (32768, 8 * GiB, "bfloat16", 8, 16)
+ENGINE_SMALL = (1024, 64 * 2**20, "float32", 3, 8)
+
+
+def engine_args(model_dir: str, mask: str | None, small: bool) -> dict[str, Any]:
+    """``LLM(...)``'s arguments for one engine, as a user writes them: vLLM's defaults, random weights, no
+    attention backend (vLLM picks one; with a mask the plugin's serves every decoder layer), and for LeanK the
+    mask in ``additional_config`` (its base model check off: the weights are random, the folder unnamed)."""
+    context, kv_bytes, dtype, _, _ = ENGINE_SMALL if small else ENGINE_GPU
+    extra = {"additional_config": {"leank_mask": mask, "leank_check_base_model": False}} if mask else {}
+    return dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=context,
+                kv_cache_memory_bytes=kv_bytes, max_num_seqs=64, **extra)  # fmt: skip
+
+
+def engine_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the engine's own process (in-process engine core): start it, submit more long requests than its pool
+    holds, time pure decode steps (``benchmarks/vllm_throughput.py``'s rule), report."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vllm_throughput import decode_steps
+
+    context, _, _, steps, requests = ENGINE_SMALL if spec["small"] else ENGINE_GPU
+    llm = LLM(**engine_args(spec["model"], spec["mask"], spec["small"]))
+    engine, config = llm.llm_engine, llm.llm_engine.vllm_config
+    decoder = [m.impl for m in config.compilation_config.static_forward_context.values()
+               if getattr(m, "attn_type", None) == "decoder" and getattr(m, "impl", None) is not None]  # fmt: skip
+    impls = sorted({type(impl).__name__ for impl in decoder})
+    leank = sum(getattr(impl, "mask", None) is not None for impl in decoder)  # layers LeanK serves
+    vocab = config.model_config.get_vocab_size()
+    params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 8, ignore_eos=True, detokenize=False)
+    for r in range(requests):
+        ids = [(17 * (r + 1) + 31 * j) % (vocab - 2) + 1 for j in range(context - 4 * steps - 12)]
+        engine.add_request(str(r), TokensPrompt(prompt_token_ids=ids), params)
+    row = decode_steps(engine, steps)
+    return {"impls": impls, "layers": len(decoder), "leank_layers": leank,
+            "kv_cache_tokens": config.cache_config.kv_cache_size_tokens, **row}  # fmt: skip
+
+
+def run_engine(model_dir: str, mask: str | None, small: bool, timeout: float = 420) -> dict[str, Any]:
+    """:func:`engine_child` in a fresh process (vLLM's attention selection is cached per process)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes on the CPU build
+    spec = json.dumps({"model": model_dir, "mask": mask, "small": small})
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-child", spec]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        raise RuntimeError(f"the {'LeanK' if mask else 'plain'} engine failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[-1][len("RESULT ") :])
+
+
+def engine_rows(model_dir: str, mask: str, small: bool, setting: str) -> list[dict[str, str]]:
+    """A plain and a LeanK engine, one row each: the implementation vLLM gave the layers and what they hold."""
+    rows = []
+    for name, m in (("plain", None), ("LeanK", mask)):
+        r = run_engine(model_dir, m, small)
+        rows.append({"part": "vllm", "setting": f"{setting}, {name}, no attention-backend argument",
+                     "result": f"LeanK serves {r['leank_layers']} of {r['layers']} decoder layers "
+                               f"({', '.join(r['impls'])}); {r['kv_cache_tokens']:,} KV tokens, "
+                               f"{r['running']:g} seqs running, {r['tok_s']:.1f} decode tok/s"})  # fmt: skip
+    return rows
+
+
 def part_vllm_engine(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
-    """vLLM vs vLLM + LeanK end to end on the 8B shape with random weights (benchmarks/vllm_throughput.py
-    on --attention-backend TRITON_ATTN): KV tokens, sequences running, decode tokens/s (GPU only)."""
+    """vLLM vs vLLM + LeanK end to end on the 8B shape with random weights (:func:`engine_rows`; GPU only)."""
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - any failure to import means the path is absent here
@@ -659,26 +728,9 @@ def part_vllm_engine(small: bool, device: torch.device, budget) -> list[dict[str
         return [{"part": "vllm", "setting": setting, "result": f"importable; {found}; engine run skipped ({why})"}]
     import tempfile
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import vllm_throughput
-
     with tempfile.TemporaryDirectory() as tmp:
         llama_config(False).save_pretrained(tmp)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            rows = vllm_throughput.main([
-                "--model", tmp, "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend",
-                "TRITON_ATTN", "--any-base-model", "--mask", str(MASK_DIR), "--kv-mib", "8192",
-                "--contexts", "32768", "--steps", "8",
-            ])  # fmt: skip
-        print(buf.getvalue(), end="")
-    out = []
-    for r in rows:
-        f, s = r["full"], r["same_batch"]
-        out.append({"part": "vllm", "setting": f"{setting}, {r['engine']}, 8B random weights, 32k, 8 GiB KV",
-                    "result": f"{r['kv_cache_tokens']:,} KV tokens, {r['running']} seqs running, "
-                              f"{f['tok_s']:.1f} decode tok/s; at batch {s['batch']}: {s['tok_s']:.1f} tok/s"})  # fmt: skip
-    return out
+        return engine_rows(tmp, str(MASK_DIR), False, f"{setting}, 8B random weights, 32k, 8 GiB KV")
 
 
 def part_vllm(small: bool, device: torch.device, budget) -> list[dict[str, str]]:
@@ -706,6 +758,9 @@ def table(rows: list[dict[str, str]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.engine_child:
+        print("RESULT " + json.dumps(engine_child(json.loads(args.engine_child))), flush=True)
+        return 0
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_small:
         print(NO_GPU, file=sys.stderr)

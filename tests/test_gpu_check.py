@@ -53,6 +53,20 @@ def test_vllm_part_reports_what_is_importable(gpu_check):
         assert row["result"].startswith("importable") and "engine run skipped (GPU only)" in row["result"]
 
 
+def test_the_vllm_engines_start_with_no_attention_backend_argument(gpu_check):
+    """A GPU user names a mask and nothing else: the engines of the vllm part are started that way (the backend
+    vLLM picks serves LeanK; tests/vllm_plugin/test_vllm_cuda_wiring.py runs the CPU-sized engine)."""
+    for small in (False, True):
+        plain, leank = gpu_check.engine_args("m", None, small), gpu_check.engine_args("m", "the-mask", small)
+        assert not [k for k in (*plain, *leank) if "attention" in k], (plain, leank)
+        assert {k: v for k, v in leank.items() if k != "additional_config"} == plain
+        assert leank["additional_config"]["leank_mask"] == "the-mask"
+    full = gpu_check.engine_args("m", None, False)
+    assert (full["max_model_len"], full["kv_cache_memory_bytes"], full["dtype"]) == (32768, 8 * 2**30, "bfloat16")
+    source = Path(gpu_check.__file__).read_text()
+    assert "--attention-backend" not in source and "attention_backend" not in source
+
+
 def test_the_full_size_model_is_the_8b_config(gpu_check):
     """The GPU decode/train parts build Llama-3.1-8B-Instruct's shape (meta device here: no memory)."""
     cfg = gpu_check.llama_config(small=False)

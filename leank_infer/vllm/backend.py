@@ -1,8 +1,9 @@
 """LeanK attention for vLLM: every K/V byte in vLLM's pool, the positional rule, batched decode.
 
 Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's CPU build) and
-``TRITON_ATTN`` (CUDA): without a LeanK mask in the engine's settings every layer is vLLM's own
-attention, unchanged. With one, each decoder layer of the model is a LeanK layer:
+``TRITON_ATTN`` (CUDA, which vLLM's selection then gives every decoder layer, no flag needed:
+:mod:`~leank_infer.vllm.backend_cuda`): without a LeanK mask in the engine's settings every layer is vLLM's
+own attention, unchanged. With one, each decoder layer of the model is a LeanK layer:
 
 - its K/V live in the worker's LeanK pages (:mod:`~leank_infer.vllm.pool`): packed rows for every
   token, full rows for the sink and the window. The layer shares the packed store's cache and block
@@ -185,7 +186,8 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
         if not isinstance(impl, LeanKAttentionMixin) or impl.mask is None:
             raise MaskError(
                 f"a LeanK mask is set but layer {name} runs {type(impl).__name__}: LeanK runs in vLLM's "
-                "CPU_ATTN backend (CPU build) and TRITON_ATTN (GPUs: pass --attention-backend TRITON_ATTN)"
+                "CPU_ATTN backend (CPU build) and TRITON_ATTN (CUDA), which vLLM picks by itself for a decoder "
+                "layer while a mask is set (leave --attention-backend out)"
             )
         index = extract_layer_index(name)
         if (impl.num_kv_heads, impl.head_size) != (None, None) and impl.head_size != mask.head_dim:
