@@ -275,6 +275,7 @@ static void keys(const Args &A, const typename L::T *base, int64_t block_stride,
 
 struct Item {  // a piece of one request: its full-channel keys (the first piece) and/or a slice of its middle
     int64_t b, mid_a, mid_e, full, cost;
+    int64_t full_from;  // the request's first full recent key, max(sink, rf) (rf: the rule's, computed once in run)
     int64_t part;  // its partial result's slot, -1: writes the output directly (the request has one piece)
 };
 
@@ -313,15 +314,13 @@ static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, 
     }
     memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
     if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, window pages
-        const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
         const T *w = (const T *)A.window + A.window_offset;
         const int32_t *wt = A.window_table + b * A.window_table_stride;
         const int64_t sink_end = A.sink < p + 1 ? A.sink : p + 1;
-        const int64_t rec = A.sink > rf ? A.sink : rf;
         keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf, 0,
                 sink_end, S);
         keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf,
-                rec, p + 1, S);
+                it.full_from, p + 1, S);
     }
     if (it.mid_e > it.mid_a) {  // middle: each head's kept channels, packed pages
         const T *pk = (const T *)A.packed + A.packed_offset;
@@ -377,11 +376,13 @@ static int run(const Args &A) {
     // `split` middle keys (whole tiles), each over every KV head; their partial softmax states are merged
     // (flash-decoding) by the thread that finishes a request's last piece. The cut depends on the lengths alone,
     // never on the thread count: every thread count gives the same bits.
-    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B + 8 * Hkv + 1));
+    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(5 * B + 8 * Hkv + 1));
     if (!buf64) return 1;
-    int64_t *first = buf64, *splits = first + B, *left = splits + B;  // left: pieces of the request not yet done
+    // per request: its first partial's slot, its pieces, those not yet done, its middle [sink, sink + mid) and its
+    // first full recent key
+    int64_t *first = buf64, *splits = first + B, *left = splits + B, *mids = left + B, *full_from = mids + B;
     Heads H;
-    H.all = left + B, H.mid = H.all + Hkv, H.full_k = H.mid + Hkv, H.full_v = H.full_k + Hkv;
+    H.all = full_from + B, H.mid = H.all + Hkv, H.full_k = H.mid + Hkv, H.full_v = H.full_k + Hkv;
     H.full_n = H.full_v + Hkv, H.mid_k = H.full_n + Hkv, H.mid_n = H.mid_k + Hkv;
     H.n_mid = 0;
     int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
@@ -392,10 +393,13 @@ static int run(const Args &A) {
     }
     int64_t n_items = 0, n_parts = 0;
     for (int64_t b = 0; b < B; b++) {
+        // the rule (leank_infer/decode/rule.py, positional_recent_from): the query at p = seq_len - 1 scores keys
+        // [sink, rf) with the kept channels, [0, sink) and [max(sink, rf), p] with every channel
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
         const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
         const int64_t mid = H.n_mid && rf > A.sink ? rf - A.sink : 0;
         const int64_t k = mid > A.split ? (mid + A.split - 1) / A.split : 1;
+        mids[b] = mid, full_from[b] = A.sink > rf ? A.sink : rf;
         splits[b] = left[b] = k;
         first[b] = k > 1 ? n_parts : -1;
         n_items += k;
@@ -410,13 +414,12 @@ static int run(const Args &A) {
     int64_t i = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
-        const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
-        const int64_t m = H.n_mid && rf > A.sink ? rf - A.sink : 0;
-        const int64_t full = (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - (A.sink > rf ? A.sink : rf));
+        const int64_t m = mids[b];
+        const int64_t full = (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - full_from[b]);
         const int64_t k = splits[b];
         for (int64_t j = 0; j < k; j++) {
             Item &it = items[i++];
-            it.b = b, it.full = j == 0;
+            it.b = b, it.full = j == 0, it.full_from = full_from[b];
             it.mid_a = A.sink + j * A.split;
             it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
             it.cost = (it.full ? full * 2 * Hkv * D : 0) + (it.mid_e - it.mid_a) * mid_width + 1;
@@ -445,7 +448,8 @@ static int run(const Args &A) {
             if (!buf || !ptrs) continue;
             const Item &it = items[j];
             run_item<L>(A, H, it, S, parts);
-            // the last piece of a request to finish merges them: no barrier for it
+            // the last piece of a request to finish merges them, no barrier: the counter's acquire-release makes every
+            // other piece's partial visible to it, and exactly one piece sees the count reach 0 (one writer per output)
             if (it.part >= 0 && __atomic_sub_fetch(&left[it.b], 1, __ATOMIC_ACQ_REL) == 0)
                 merge(A, it.b, splits[it.b], first[it.b], parts);
         }
