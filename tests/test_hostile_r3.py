@@ -1,0 +1,139 @@
+"""The edges, round 3: the red team's probes of the newer surfaces, each one a row of a table test.
+
+A compiled kernel is loaded only once verified; push reads only files with one link; leank removes only
+leftovers it can prove are its own; a de-quantised copy without its record is rebuilt; pull names exact files
+at one pinned commit; every peft field peft treats as a pattern is time-limited; an empty or misspelt vLLM
+setting is one clear error; config overrides that change what the model computes need a stated reason.
+The low cases are one table too: one clear line each, no traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from leank_infer.decode.native_build import RECORD_SUFFIX, NativeLibrary, library_problem
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OTHER_UID = 54321  # a user who is not us (the tests may run as root, who may chown)
+
+
+# ---- 11 + 15: compiled kernels are loaded only once verified ---------------------------------------------------
+PROBE_SOURCE = "extern \"C\" int leank_probe(void) { return 42; }\n"
+PLANTED_SOURCE = "extern \"C\" int leank_probe(void) { return 7; }\n"  # same symbol, another answer
+
+
+def _compile(source: str, out: Path) -> Path:
+    src = out.with_suffix(".cpp")
+    src.write_text(source)
+    subprocess.run(["c++", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def _probe_library(tmp_path: Path, log: logging.Logger) -> NativeLibrary:
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE_SOURCE)
+
+    def declare(lib: ctypes.CDLL) -> None:
+        lib.leank_probe.restype = ctypes.c_int
+
+    return NativeLibrary(source, "kernels", "LEANK_PROBE_KERNEL", "probe kernel", declare, log)
+
+
+def _plant(case: str, lib: Path, elsewhere: Path) -> None:
+    """Damage or replace the cached library ``lib`` the way a probe did."""
+    record = lib.with_name(lib.name + RECORD_SUFFIX)
+    if case == "another library":  # a different .so under the expected name, the record left as it was
+        _compile(PLANTED_SOURCE, elsewhere / "planted.so").replace(lib)
+    elif case == "another library with its own record, another user's":
+        _compile(PLANTED_SOURCE, elsewhere / "planted.so").replace(lib)
+        import hashlib
+
+        record.write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
+        os.chown(lib, OTHER_UID, -1)
+        os.chown(record, OTHER_UID, -1)
+    elif case == "a symlink to a good build":
+        good = elsewhere / "good.so"
+        lib.replace(good)
+        lib.symlink_to(good)
+    elif case == "truncated":  # crashed every later run with a bus error
+        data = lib.read_bytes()
+        lib.write_bytes(data[: len(data) // 3])
+    elif case == "another user's file":
+        os.chown(lib, OTHER_UID, -1)
+    elif case == "writable by others":
+        os.chmod(lib, 0o777)
+    elif case == "no record":  # an older leank's build, or one copied in by hand
+        record.unlink()
+    else:
+        raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", [
+    "another library", "another library with its own record, another user's", "a symlink to a good build",
+    "truncated", "another user's file", "writable by others", "no record",
+])
+def test_a_cached_kernel_is_loaded_only_once_verified(tmp_path, monkeypatch, caplog, case):
+    """Item 11/15: whatever lies under the expected name is rebuilt unless it is this build's (one log line)."""
+    if os.geteuid() != 0 and "user" in case:
+        pytest.skip("chown to another user needs root")
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
+    log = logging.getLogger("leank-test-probe")
+    first = _probe_library(tmp_path, log).build()
+    assert library_problem(first) is None
+    (tmp_path / "elsewhere").mkdir()
+    _plant(case, first, tmp_path / "elsewhere")
+    assert library_problem(first) is not None
+    probe = _probe_library(tmp_path, log)
+    with caplog.at_level("WARNING", logger=log.name):
+        assert probe.available()
+    assert probe.lib.leank_probe() == 42  # the rebuilt library's answer, never the planted one's
+    assert caplog.text.count("is not verified") == 1, caplog.text
+    assert library_problem(first) is None and not first.is_symlink() and first.stat().st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_kernel_folder_other_users_may_write_to_is_refused(tmp_path, monkeypatch, caplog, mode):
+    """Item 11: a shared, writable cache folder: nothing is built or loaded there; the PyTorch path is used."""
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "kernels").mkdir(parents=True)
+    os.chmod(tmp_path / "cache" / "kernels", mode)
+    log = logging.getLogger("leank-test-probe")
+    probe = _probe_library(tmp_path, log)
+    with caplog.at_level("WARNING", logger=log.name):
+        assert not probe.available()
+        assert not probe.available()
+    assert caplog.text.count("writable by other users") == 1, caplog.text
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_a_planted_kv_quant_kernel_never_changes_the_answer(tmp_path, monkeypatch):
+    """Item 11 end to end: the real CPU kv_quant kernel's expected file replaced by one whose functions do
+    nothing; the quantised decode still gives the PyTorch path's answer (the planted one is never loaded)."""
+    from test_kv_quant import KD, _kernel_layer, _query, _rel_err
+
+    from leank_infer.decode import quant_cpu
+    from leank_infer.decode.layout import DecodeMasks
+    from leank_infer.decode.torch_decode import torch_decode_attention
+
+    real = quant_cpu.LIBRARY.build(directory=tmp_path / "first")  # where the expected name comes from
+    cache = tmp_path / "cache" / "cpu-kernel"
+    cache.mkdir(parents=True)
+    _compile('extern "C" int leank_quant_k_scores(void *a) { return 0; }\n'
+             'extern "C" int leank_quant_v_add(void *a) { return 0; }\n', cache / real.name)
+    monkeypatch.setenv("LEANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(quant_cpu.LIBRARY, "tried", False)
+    monkeypatch.setattr(quant_cpu.LIBRARY, "lib", None)
+    layer = _kernel_layer("int4-k32", steps=3)
+    q = _query("int4-k32", layer)
+    got = torch_decode_attention(q, layer.layout(), DecodeMasks(), KD**-0.5)
+    assert quant_cpu.LIBRARY.lib is not None  # the kernel ran: rebuilt, verified, loaded
+    ref = torch_decode_attention(q, layer.layout().dequantized(), DecodeMasks(), KD**-0.5)
+    assert _rel_err(got, ref) < 2e-6
+    assert library_problem(cache / real.name) is None
