@@ -16,10 +16,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import test_hub
+import torch
+from test_hub import REPO, _hub_repo, hub_cache  # noqa: F401 - used below
 
+from leank_infer.cli import main as leank
 from leank_infer.decode.native_build import RECORD_SUFFIX, NativeLibrary, library_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# test_hub's fixtures (the fake Hub, a mask repo folder), registered here under their own names
+globals().update(hub=test_hub.hub, folder=test_hub.folder, card_folder=test_hub.card_folder)
 
 OTHER_UID = 54321  # a user who is not us (the tests may run as root, who may chown)
 
@@ -137,3 +143,66 @@ def test_a_planted_kv_quant_kernel_never_changes_the_answer(tmp_path, monkeypatc
     ref = torch_decode_attention(q, layer.layout().dequantized(), DecodeMasks(), KD**-0.5)
     assert _rel_err(got, ref) < 2e-6
     assert library_problem(cache / real.name) is None
+
+
+# ---- 12: push reads only files with one link ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["README.md", "eval.json", "LICENSE"])
+def test_push_refuses_a_hard_linked_file(hub, folder, tmp_path, capsys, name):
+    """Item 12: a credentials file hard-linked into a mask folder is not published (symlinks already were not)."""
+    secret = tmp_path / "credentials"
+    secret.write_bytes(b"aws_secret_access_key = AKIA")
+    (folder / name).unlink(missing_ok=True)
+    os.link(secret, folder / name)
+    assert leank(["push", str(folder), REPO]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"leank push: error: {REPO}") and "2 hard links" in err and name in err, err
+    assert err.count("\n") == 1 and REPO not in hub.repos  # nothing created, nothing uploaded
+    (folder / name).unlink()
+    (folder / name).write_bytes(secret.read_bytes())  # a copy of it is the user's choice to publish
+    assert leank(["push", str(folder), REPO]) == 0
+
+
+# ---- 13: leank removes only leftovers it can prove are its own -------------------------------------------------
+def _small_mask(seed: int = 0):
+    from leank_infer import ChannelMask
+
+    return ChannelMask.from_scores(torch.rand(2, 2, 8, generator=torch.Generator().manual_seed(seed)), ratio=0.5,
+                                   align=2)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["new", "old", "gone", "old-copied"])
+@pytest.mark.parametrize("then", ["save", "open-missing"])
+def test_a_users_folder_named_like_a_leftover_is_never_touched(tmp_path, kind, then):
+    """Item 13: ``.m.{new,old,gone}-XXXXXXXX`` of the user's (or a leftover copied elsewhere and back: another
+    inode) survives a save beside it, and opening a missing mask never moves the user's ``x`` into its place."""
+    import shutil
+
+    from leank_infer import ChannelMask
+    from leank_infer.folders import atomic
+    from leank_infer.mask import MaskError
+
+    if kind == "old-copied":  # a real leftover's marker, copied: not this folder's
+        (tmp_path / "elsewhere").mkdir()
+        with atomic._fresh(tmp_path / "elsewhere", "m", "old") as p:
+            pass
+        users = shutil.copytree(p, tmp_path / p.name, symlinks=True)
+    else:
+        users = tmp_path / f".m.{kind}-abcd1234"
+    (users / "x").mkdir(parents=True)
+    _small_mask(3).save_pretrained(users / "x")  # even a loadable mask of the user's, in x
+    (users / "x" / "notes.txt").write_text("mine")
+    before = _tree(users)
+    folder = tmp_path / "m"
+    if then == "save":
+        _small_mask().save_pretrained(folder)
+        _small_mask(1).save_pretrained(folder)  # a replacement too
+        assert ChannelMask.from_dir(folder).keep.equal(_small_mask(1).keep)
+    else:
+        with pytest.raises(MaskError, match="does not exist"):
+            ChannelMask.from_dir(folder)
+        assert not folder.exists()
+    assert users.is_dir() and _tree(users) == before
