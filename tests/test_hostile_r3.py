@@ -206,3 +206,40 @@ def test_a_users_folder_named_like_a_leftover_is_never_touched(tmp_path, kind, t
             ChannelMask.from_dir(folder)
         assert not folder.exists()
     assert users.is_dir() and _tree(users) == before
+
+
+# ---- 14: a de-quantised copy without its record is rebuilt, never trusted --------------------------------------
+@pytest.mark.parametrize("case", ["no hash record", "no size record", "a file the record lacks",
+                                  "a file added beside"])
+def test_a_copy_without_its_record_is_rebuilt(fake_embedded, monkeypatch, case):
+    """Item 14: a cached copy whose record is missing (an older leank's, ``cp dir/*``) or does not cover its
+    files, with same-size damage to the weights, is rebuilt: the damage is never recorded as good."""
+    import json
+
+    import leank_infer.model.loading as loading
+
+    copy = fake_embedded()
+    weights = copy / "model.safetensors"
+    good = weights.read_bytes()
+    with open(weights, "r+b") as f:  # same size, other content
+        f.seek(len(good) // 2)
+        f.write(b"\xff" * 64)
+    if case == "no hash record":
+        (copy / loading.COPY_HASHES).unlink()
+    elif case == "no size record":
+        (copy / loading.COPY_MANIFEST).unlink()
+    elif case == "a file the record lacks":  # the record rewritten without the damaged file
+        hashes = json.loads((copy / loading.COPY_HASHES).read_text())
+        del hashes["model.safetensors"]
+        (copy / loading.COPY_HASHES).write_text(json.dumps(hashes))
+    else:
+        (copy / "model-00002-of-00002.safetensors").write_bytes(good)
+        (copy / loading.COPY_HASHES).unlink()
+    monkeypatch.setattr(loading, "_VERIFIED", {}, raising=False)  # a new process
+    assert loading.copy_problem(copy) is not None
+    with pytest.warns(UserWarning, match="damaged.*rebuilding"):
+        assert fake_embedded() == copy
+    assert weights.read_bytes() == good and loading.copy_problem(copy) is None
+    assert sorted(p.name for p in copy.iterdir()) == sorted(
+        [loading.COPY_HASHES, loading.COPY_MANIFEST, "config.json", "generation_config.json", "model.safetensors",
+         "tokenizer.json"])
