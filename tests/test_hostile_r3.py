@@ -243,3 +243,52 @@ def test_a_copy_without_its_record_is_rebuilt(fake_embedded, monkeypatch, case):
     assert sorted(p.name for p in copy.iterdir()) == sorted(
         [loading.COPY_HASHES, loading.COPY_MANIFEST, "config.json", "generation_config.json", "model.safetensors",
          "tokenizer.json"])
+
+
+# ---- 16: pull names exact files at one pinned commit -----------------------------------------------------------
+def _fetched(hub) -> list[str]:
+    from urllib.parse import unquote
+
+    return sorted({unquote(path.split("/resolve/", 1)[1].split("/", 1)[1]) for _, path in hub.requests
+                   if "/resolve/" in path})
+
+
+@pytest.mark.parametrize("odd", ["*.png", "[p]hoto.png", "?.png"])
+def test_pull_downloads_listed_names_not_patterns(hub, odd):
+    """Item 16: a 1-byte file named like a glob is fetched as itself, never as the photos its name matches."""
+    from leank_infer import ChannelMask
+
+    photos = {f"photos/{i}.png": b"p" * 2000 for i in range(40)} | {"photo.png": b"q" * 100, "x.png": b"x"}
+    _hub_repo(hub, {odd: b"1", **photos})
+    folder = ChannelMask.from_pretrained(REPO) and next(Path(hub_cache()).rglob("snapshots/*"))
+    assert _fetched(hub) == sorted(["config.json", "mask.safetensors", odd, "photo.png", "x.png"])
+    assert not (folder / "photos").exists() and (folder / odd).read_bytes() == b"1"
+
+
+def test_pull_fetches_the_commit_it_listed(hub, monkeypatch):
+    """Item 16: a push between the listing and the download changes nothing fetched: the download is of the
+    commit the listing resolved (its sizes were checked), and main's ref points at that commit."""
+    from huggingface_hub import HfApi
+
+    from leank_infer import ChannelMask
+
+    _hub_repo(hub, {})
+    listed = hub.repos[REPO].branches["main"]
+    big = {f"p{i:02d}.png": b"p" * 300_000 for i in range(20)}
+
+    def push_right_after(listing):
+        def listed_then_pushed(self, *args, **kwargs):
+            info = listing(self, *args, **kwargs)
+            info = info if not hasattr(info, "__next__") else list(info)
+            if hub.repos[REPO].branches["main"] == listed:
+                hub.commit(hub.repos[REPO], "main", big, [], "a push meanwhile")
+            return info
+        return listed_then_pushed
+
+    for name in ("model_info", "list_repo_tree"):  # however the listing is asked for
+        monkeypatch.setattr(HfApi, name, push_right_after(getattr(HfApi, name)))
+    mask = ChannelMask.from_pretrained(REPO)
+    assert _fetched(hub) == ["config.json", "mask.safetensors"]  # none of the pushed photos
+    assert mask.keep.equal(ChannelMask.from_dir(next(Path(hub_cache()).rglob(f"snapshots/{listed}"))).keep)
+    refs = next(Path(hub_cache()).rglob("refs/main"))
+    assert refs.read_text() == listed
