@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -292,3 +293,48 @@ def test_pull_fetches_the_commit_it_listed(hub, monkeypatch):
     assert mask.keep.equal(ChannelMask.from_dir(next(Path(hub_cache()).rglob(f"snapshots/{listed}"))).keep)
     refs = next(Path(hub_cache()).rglob("refs/main"))
     assert refs.read_text() == listed
+
+
+# ---- 18: an empty or misspelt vLLM LeanK setting is one clear error ---------------------------------------------
+@pytest.mark.parametrize("config, message", [
+    ({"leank_mask": ""}, re.escape("additional_config['leank_mask'] is '': give a mask folder")),
+    ({"leank_mask": "  "}, re.escape("additional_config['leank_mask'] is '  ': give a mask folder")),
+    ({"leank_mask": None}, re.escape("additional_config['leank_mask'] is None: give a mask folder")),
+    ({"leank_mask": False}, re.escape("additional_config['leank_mask'] is False: give a mask folder")),
+    ({"leank_mask": 0}, re.escape("additional_config['leank_mask'] is 0: give a mask folder")),
+    ({"leank_mask": []}, r"additional_config\['leank_mask'\] is \[\]: give a mask folder"),
+    ({"leank-mask": "hub/m"}, r"unknown LeanK setting\(s\) \['leank-mask'\]"),
+    ({"LEANK_MASK": "hub/m"}, r"unknown LeanK setting\(s\) \['LEANK_MASK'\]"),
+    ({"LeanK_Mask": "hub/m", "leank_mask": "hub/m"}, r"unknown LeanK setting\(s\) \['LeanK_Mask'\]"),
+    ({"leank_rule": "positional"}, r"sets \['leank_rule'\] but no 'leank_mask'"),
+    ({"leank_mask_revision": "v1", "leank_check_base_model": False}, r"sets \['leank_mask_revision', 'leank_check_base_model'\] but no 'leank_mask'"),
+])
+@pytest.mark.parametrize("env", [None, "hub/smollm2-135m-instruct"])
+def test_an_empty_or_misspelt_vllm_setting_is_one_clear_error(monkeypatch, config, message, env):
+    """Item 18: never a dense engine without a word; an explicit "" does not fall back to $LEANK_MASK."""
+    from leank_infer.mask import MaskError
+    from leank_infer.vllm.settings import settings_from
+
+    if env is None:
+        monkeypatch.delenv("LEANK_MASK", raising=False)
+    else:
+        monkeypatch.setenv("LEANK_MASK", env)
+    if env is not None and "but no 'leank_mask'" in message:  # the variable names the mask: the settings apply
+        assert settings_from(config).mask == env
+        return
+    with pytest.raises(MaskError, match=message) as err:
+        settings_from(config)
+    assert "\n" not in str(err.value)
+
+
+def test_leank_is_off_only_without_any_leank_setting(monkeypatch):
+    from leank_infer.vllm.settings import settings_from
+
+    for value in (None, "", "  "):
+        if value is None:
+            monkeypatch.delenv("LEANK_MASK", raising=False)
+        else:
+            monkeypatch.setenv("LEANK_MASK", value)
+        assert settings_from({}) is None and settings_from({"other_plugin": 1}) is None and settings_from(None) is None
+    monkeypatch.setenv("LEANK_MASK", "env/mask")
+    assert settings_from({"leank_mask": "cfg/mask"}).mask == "cfg/mask" and settings_from({}).mask == "env/mask"
