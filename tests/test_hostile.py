@@ -136,7 +136,8 @@ def test_config_overrides_must_be_attributes_of_the_base_config(tmp_path, monkey
 
 def test_config_overrides_that_are_config_attributes_still_load(tmp_path):
     mask_dir, _ = tiny_repo(tmp_path)
-    write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"), config_overrides={"rms_norm_eps": 1e-3})
+    write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"), config_overrides={"rms_norm_eps": 1e-3},
+                 extra={"config_overrides_reason": "learned on the fine-tune that uses it"})
     assert LeanKModel.from_pretrained(mask_dir).model.config.rms_norm_eps == 1e-3
 
 

@@ -149,7 +149,8 @@ def test_overrides_that_retune_the_model_still_load(tmp_path):
     mask_dir, _ = tiny_repo(tmp_path)
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
     write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"),
-                 config_overrides={"rope_parameters": rope, "max_position_embeddings": 4096, "rms_norm_eps": 1e-3})
+                 config_overrides={"rope_parameters": rope, "max_position_embeddings": 4096, "rms_norm_eps": 1e-3},
+                 extra={"config_overrides_reason": "rms_norm_eps: learned on the fine-tune that uses it"})
     m = LeanKModel.from_pretrained(mask_dir)
     assert m.model.config.rope_parameters["rope_type"] == "yarn" and m.model.config.rms_norm_eps == 1e-3
 

@@ -338,3 +338,85 @@ def test_leank_is_off_only_without_any_leank_setting(monkeypatch):
         assert settings_from({}) is None and settings_from({"other_plugin": 1}) is None and settings_from(None) is None
     monkeypatch.setenv("LEANK_MASK", "env/mask")
     assert settings_from({"leank_mask": "cfg/mask"}).mask == "cfg/mask" and settings_from({}).mask == "env/mask"
+
+
+# ---- 19: overrides that change what the model computes need the mask's reason ----------------------------------
+def _override_repo(tmp_path: Path, overrides: dict, reason: str | None = None) -> Path:
+    from test_hostile import write_config
+    from test_model import tiny_repo
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    extra = {"extra": {"config_overrides_reason": reason}} if reason is not None else {}
+    return write_config(mask_dir, format_version=3, base_model=str(tmp_path / "base"), config_overrides=overrides,
+                        **extra)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ({"hidden_act": "gelu"}, ["hidden_act"]),
+    ({"rms_norm_eps": 0.5}, ["rms_norm_eps"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 3.0}}, ["rope_parameters"]),
+    ({"rope_parameters": {**YARN, "rope_theta": 3.0}}, ["rope_parameters"]),
+    ({"tie_word_embeddings": "FLIP"}, ["tie_word_embeddings"]),  # false loading a random head, or the reverse
+    ({"pretraining_tp": 2, "max_position_embeddings": 4096}, ["pretraining_tp"]),
+    ({"rope_parameters": {**YARN, "rope_theta": "SAME"}, "max_position_embeddings": 4096}, []),  # context: loads
+    ({"rms_norm_eps": "SAME", "hidden_act": "SAME"}, []),  # the model's own values change nothing
+])
+@pytest.mark.parametrize("reason", [None, "", "learned on the fine-tune that sets it"])
+def test_overrides_that_change_the_model_need_a_reason(tmp_path, overrides, refused, reason):
+    """Item 19: every shape kept, the model still computes something else: refused unless the mask says why."""
+    from transformers import AutoConfig
+
+    from leank_infer import LeanKModel
+    from leank_infer.mask import MaskError
+
+    _override_repo(tmp_path / "probe", {})
+    base = AutoConfig.from_pretrained(tmp_path / "probe" / "base")
+    overrides = json_round(overrides, base)
+    mask_dir = _override_repo(tmp_path, overrides, reason)
+    if refused and not reason:
+        with pytest.raises(MaskError, match=rf"config_overrides {re.escape(str(refused))} change what the base "
+                                            r"model computes.*extra.config_overrides_reason"):
+            LeanKModel.from_pretrained(mask_dir)
+    else:
+        config = LeanKModel.from_pretrained(mask_dir).model.config
+        assert all(getattr(config, k) == v for k, v in overrides.items() if k != "rope_parameters")
+
+
+def json_round(overrides: dict, base) -> dict:
+    """Fill the placeholders with the base config's own values (SAME) or their opposite (FLIP)."""
+    def fill(key, value):
+        if isinstance(value, dict):
+            return {k: fill(k, v) for k, v in value.items()}
+        own = base.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(base, key, None)
+        return own if value == "SAME" else (not own) if value == "FLIP" else value
+
+    return {k: fill(k, v) for k, v in overrides.items()}
+
+
+def test_generate_compares_with_the_unmodified_base_model(tmp_path, capsys):
+    """Item 19: ``leank generate``'s dense column is the base model as published, not the mask's changed one."""
+    from test_generate_cli import PROMPT
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mask_dir = _override_repo(tmp_path, {"rms_norm_eps": 50.0}, "a probe: the norm changed on purpose")
+    base_dir = tmp_path / "base"
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    changed = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, rms_norm_eps=50.0).eval()
+    enc = tok(PROMPT, return_tensors="pt")
+    n = enc["input_ids"].shape[1]
+
+    def answer(model) -> str:
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+        return tok.decode(out[0, n:], skip_special_tokens=True).strip()
+
+    want, other = answer(base), answer(changed)
+    assert want != other  # the probe really changes what the model says
+    assert leank(["generate", str(mask_dir), "--prompt", PROMPT, "--max-new-tokens", "8", "--width", "400"]) == 0
+    out = capsys.readouterr().out
+    dense = out.splitlines()[-1].split(" | ")[0].strip()
+    assert dense == want, out

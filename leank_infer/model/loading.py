@@ -365,7 +365,10 @@ def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -
     """Raise MaskError unless the base model's ``config`` with the mask's ``overrides`` still describes a model
     the base model's weights load into and the mask fits, checked before any weight is allocated.
 
-    Overrides may retune a model (YaRN's ``rope_parameters``), never reshape it: ``num_hidden_layers``
+    Overrides may extend the context a model reads (YaRN's ``rope_parameters``, ``max_position_embeddings``);
+    any other change to what it computes (``hidden_act``, ``rms_norm_eps``, ``rope_theta``,
+    ``tie_word_embeddings``) needs the mask's stated reason (:data:`~leank_infer.mask.fit.OVERRIDES_REASON` in its
+    ``extra``). They never reshape it: ``num_hidden_layers``
     300 would build a 4 GB model before the mask's shape check, ``vocab_size`` or ``hidden_size`` give
     weights the checkpoint cannot fill, an unknown ``hidden_act`` or 0 heads cannot be built, and
     ``return_dict``/``use_cache`` change what the model returns. The model is built on the meta device.
@@ -399,4 +402,13 @@ def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -
             f"config_overrides {sorted(overrides)} change the shape of the base model's weights ({n}: "
             f"{before.get(n, 'absent')} -> {after.get(n, 'absent')}{f', and {len(differ) - 1} more' if len(differ) > 1 else ''}); "
             "the checkpoint cannot load into that model"
+        )
+    from ..mask.fit import OVERRIDES_REASON, computing_overrides, overrides_reason
+
+    computing = computing_overrides(config, overrides)
+    if computing and overrides_reason(mask) is None:
+        raise MaskError(
+            f"config_overrides {computing} change what the base model computes (not only the context it reads): "
+            f"a mask carries such overrides only with its reason, a non-empty extra.{OVERRIDES_REASON} "
+            "(e.g. the fine-tune it was learned on), so a changed model is never served silently"
         )
