@@ -420,3 +420,80 @@ def test_generate_compares_with_the_unmodified_base_model(tmp_path, capsys):
     out = capsys.readouterr().out
     dense = out.splitlines()[-1].split(" | ")[0].strip()
     assert dense == want, out
+
+
+# ---- 17: every peft field peft treats as a pattern is time-limited ---------------------------------------------
+def _ia3_adapter(tmp_path: Path, **fields):
+    import json
+
+    from conftest import tiny_model
+    from peft import IA3Config, get_peft_model
+
+    base = tiny_model("llama")
+    config = IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    peft_model = get_peft_model(tiny_model("llama"), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "ia3_l" in name:
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    peft_model.save_pretrained(tmp_path / "ia3")
+    cfg_path = tmp_path / "ia3" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **fields}))
+    return tmp_path / "ia3", base
+
+
+@pytest.fixture
+def time_limit():
+    """Fail instead of hanging when the body runs longer than the seconds given (SIGALRM)."""
+    import signal
+
+    def expire(*_):
+        raise TimeoutError("hung: still running when the alarm went off")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"feedforward_modules": r"(.|\w|[a-z.])*\d\d\d"}, r"feedforward_modules .* takes more than 2 s to match"),
+    ({"feedforward_modules": "(unclosed"}, "feedforward_modules .* is not a valid regular expression"),
+])
+def test_an_ia3_adapters_feedforward_regex_is_bounded(tmp_path, time_limit, fields, message):
+    """Item 17: IA3's ``feedforward_modules`` (peft ``re.fullmatch``-es it) is matched with a time limit."""
+    from leank_infer.model.loading import BaseModelError, apply_adapter
+
+    folder, base = _ia3_adapter(tmp_path, **fields)
+    time_limit(30)
+    with pytest.raises(BaseModelError, match=message):
+        apply_adapter(base, folder)
+
+
+def test_every_pattern_field_of_a_peft_config_is_checked():
+    """Item 17: the ``*_pattern`` fields of other adapter types (their keys are matched by peft) are plain names too."""
+    from peft import FourierFTConfig, LoHaConfig
+
+    from leank_infer.model.adapter_patterns import AdapterPatternError, resolve_adapter_patterns
+
+    for config in (LoHaConfig(target_modules=["q_proj"], alpha_pattern={"(a|a)*b": 2}),
+                   FourierFTConfig(target_modules=["q_proj"], n_frequency_pattern={"(.*.*)*y": 10})):
+        with pytest.raises(AdapterPatternError, match="_pattern .* must be plain module names"):
+            resolve_adapter_patterns(config, ["model.q_proj"])
+
+
+def test_an_ia3_adapter_with_a_plain_feedforward_regex_applies_as_peft_would(tmp_path, time_limit):
+    import copy
+
+    from peft import PeftModel
+
+    from leank_infer.model.loading import apply_adapter
+
+    folder, base = _ia3_adapter(tmp_path, target_modules=r".*\.(k_proj|v_proj|down_proj)",
+                                feedforward_modules=r".*\.down_proj")
+    time_limit(60)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()(ids).logits
+    got = apply_adapter(copy.deepcopy(base), folder)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, base(ids).logits, atol=1e-3)
