@@ -497,3 +497,127 @@ def test_an_ia3_adapter_with_a_plain_feedforward_regex_applies_as_peft_would(tmp
     got = apply_adapter(copy.deepcopy(base), folder)(ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got, base(ids).logits, atol=1e-3)
+
+
+# ---- 20: the low cases, one clear line each --------------------------------------------------------------------
+@pytest.mark.parametrize("make, message", [
+    (lambda: __import__("leank_infer.decode.kv_quant", fromlist=["KVQuant"]).KVQuant("int8", 8, k_group=2**26),
+     "k_group must be a power of two from 1 to 1024, got 67108864"),
+    (lambda: __import__("leank_infer.decode.kv_quant", fromlist=["KVQuant"]).KVQuant("int4", 8),
+     "kv_quant name 'int4' does not match its 8 bits"),
+    (lambda: __import__("leank_infer.decode.kv_quant", fromlist=["KVQuant"]).KVQuant("int8", True),
+     "kv_quant bits must be 8 or 4, got True"),
+    (lambda: __import__("leank_infer.decode.kv_quant", fromlist=["x"]).kv_quant_format(["int8"]),
+     "kv_quant must be one of 'int8', 'int4' or None, got ['int8']"),
+])
+def test_a_bad_kv_quant_is_one_clear_error(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_kv_quant_reaches_leank_model_as_one_clear_error(tmp_path):
+    from test_model import tiny_repo
+
+    from leank_infer import LeanKModel
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    with pytest.raises(ValueError, match=r"kv_quant must be one of 'int8', 'int4' or None, got \['int8'\]"):
+        LeanKModel.from_pretrained(mask_dir, kv_quant=["int8"])
+
+
+def _read_only(monkeypatch) -> None:
+    """What a user without write permission sees (the tests may run as root, whom permissions do not stop)."""
+    import errno
+
+    from leank_infer.folders import atomic
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", refuse)
+
+
+@pytest.mark.parametrize("how", ["leank import", "export", "save_pretrained"])
+def test_a_read_only_target_is_one_clear_line(tmp_path, monkeypatch, capsys, how):
+    from test_hostile import cli
+
+    from leank_infer.mask import MaskError
+
+    out = tmp_path / "ro" / "mask"
+    out.parent.mkdir()
+    _read_only(monkeypatch)
+    if how == "leank import":
+        torch.save(torch.ones(2, 2, 16), tmp_path / "m.pth")
+        (tmp_path / "LICENSE").write_text("MIT License\n")
+        code, err = cli(["import", str(tmp_path / "m.pth"), str(out), "--base-model", "org/m"], capsys)
+        assert code == 2 and err.count("\n") == 1 and "Permission denied" in err and str(out) in err, err
+    else:
+        from leank_train.export import write_mask_repo
+
+        write = (lambda: write_mask_repo(_small_mask(), out)) if how == "export" else (
+            lambda: _small_mask().save_pretrained(out))
+        with pytest.raises(MaskError, match=rf"cannot write {re.escape(str(out))}: Permission denied"):
+            write()
+    assert not list(out.parent.iterdir())
+
+
+@pytest.mark.parametrize("target", ["~", "~/masks/m"])
+def test_save_pretrained_to_tilde_is_refused(tmp_path, monkeypatch, target):
+    from leank_infer.mask import MaskError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MaskError, match="only a shell expands to a home folder.*give the full path"):
+        _small_mask().save_pretrained(target)
+    assert not list(tmp_path.iterdir())  # no folder named ~
+
+
+def test_bench_threads_beyond_the_machine_is_one_line(tmp_path, capsys):
+    from test_hostile import cli
+    from test_model import tiny_repo
+
+    mask_dir, _ = tiny_repo(tmp_path)
+    code, err = cli(["bench", str(mask_dir), "--contexts", "64", "--batches", "1", "--new-tokens", "2",
+                     "--threads", "100000"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--threads 100000: this machine has" in err, err
+
+
+@pytest.mark.parametrize("size", [0, 3])
+def test_an_empty_last_checkpoint_is_named_damaged(tmp_path, size):
+    from leank_train.pipeline import checkpoint_damage
+
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"PK\x03"[:size])
+    assert checkpoint_damage(ckpt) == f"{size} bytes: a run killed as it began writing it"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"dataset": "needle-1k", "value": "high"}, "results row 0 has no finite number 'value'"),
+    ({"dataset": "needle-1k", "value": 0.5, "metric_args": "x"}, "results row 0 has a 'metric_args' that is not an object"),
+    ({"value": 0.5}, "results row 0 has no 'dataset' string"),
+    ({"dataset": "needle-1k", "value": 0.5, "command": ["leank"]}, "results row 0 has a 'command' that is not a string"),
+])
+def test_eval_records_that_would_crash_the_card_are_refused_when_read(tmp_path, row, message):
+    import json
+
+    from leank_infer.hub.card import read_eval_record, write_model_card
+    from leank_infer.mask import MaskError
+
+    folder = _small_mask().save_pretrained(tmp_path / "m")
+    (folder / "eval.json").write_text(json.dumps({"results": [row]}))
+    for read in (lambda: read_eval_record(folder), lambda: write_model_card(folder)):
+        with pytest.raises(MaskError, match=re.escape(message)) as err:
+            read()
+        assert "\n" not in str(err.value)
+
+
+def test_backticks_in_a_recorded_command_stay_inside_its_code_span(tmp_path):
+    import markdown
+
+    from leank_infer.hub.card import write_model_card
+
+    folder = _small_mask().save_pretrained(tmp_path / "m")
+    command = "leank eval m `</code><img src=x onerror=alert(1)>` ``x``\n\n# Injected"
+    write_model_card(folder, [{"dataset": "needle-1k", "value": 0.5, "command": command}])
+    html = markdown.markdown((folder / "README.md").read_text())
+    assert "<img src=x" not in html and "onerror=alert(1)&gt;" in html and "<h1>Injected" not in html

@@ -51,6 +51,14 @@ class FolderChanged(FolderError):
 def refusal(target: Path, problem: Callable[[Path], str | None], kind: str) -> str | None:
     """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may); ``problem(folder)``
     says why a non-empty folder is not of that kind (None when it is)."""
+    first = target.parts[0] if target.parts else ""
+    try:
+        home = first.startswith("~") and Path(first).expanduser() != Path(first)
+    except RuntimeError:  # ~name of no user: a shell would not expand it either
+        home = False
+    if home:
+        return (f"{str(target)!r} starts with {first!r}, which only a shell expands to a home folder; leank takes the "
+                f"path as written (it would make a folder named {first!r}): give the full path")
     if target.name in ("", ".", "..") or target.resolve() == Path(target.anchor or "/").resolve():
         return f"{str(target)!r} is not a folder name leank can write a {kind} to (give a new or {kind} folder)"
     if target.is_symlink():
@@ -113,14 +121,21 @@ def _fresh(parent: Path, name: str, kind: str, parent_locked: bool = False) -> I
     that it made, whose writer died. The content goes into its ``x``."""
 
     def make() -> tuple[Path, int]:
-        folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+        except OSError as e:
+            if e.errno not in _WRITE_ERRORS:
+                raise
+            raise FolderError(f"cannot write {parent / name}: {e.strerror} in {parent} (nothing was changed)") from None
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             (folder / MARKER).write_text(_marker_text(folder, kind))
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             shutil.rmtree(folder, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in _WRITE_ERRORS:
+                raise FolderError(f"cannot write {parent / name}: {e.strerror} (nothing was changed)") from None
             raise
         return folder, fd
 
