@@ -621,3 +621,26 @@ def test_backticks_in_a_recorded_command_stay_inside_its_code_span(tmp_path):
     write_model_card(folder, [{"dataset": "needle-1k", "value": 0.5, "command": command}])
     html = markdown.markdown((folder / "README.md").read_text())
     assert "<img src=x" not in html and "onerror=alert(1)&gt;" in html and "<h1>Injected" not in html
+
+
+@pytest.mark.parametrize("where", ["a file", "full disk"])
+def test_pull_into_a_cache_that_cannot_be_written_is_one_line(hub, tmp_path, monkeypatch, capsys, where):
+    import errno
+
+    from test_hostile import cli
+
+    _hub_repo(hub, {})
+    cache = tmp_path / "cache-file"
+    cache.write_text("not a folder")
+    if where == "full disk":
+        cache = tmp_path / "cache"
+        import huggingface_hub.file_download as fd
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fd, "http_get", full)
+    code, err = cli(["pull", REPO, "--cache-dir", str(cache)], capsys)
+    message = f"cannot write the Hub cache {cache}: No space" if where == "full disk" else f"{cache} is a file"
+    last = err.rstrip("\n").split("\n")[-1]  # (after huggingface_hub's download progress, on the full disk)
+    assert code == 2 and last.startswith("leank pull: error:") and message in last and err.count("error") == 1, err

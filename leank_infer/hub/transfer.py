@@ -95,6 +95,13 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
 
     where = _where(repo_id, revision)
     endpoint = hub_kwargs.get("endpoint") or constants.ENDPOINT
+    if hub_kwargs.get("cache_dir") is not None:
+        existing = Path(hub_kwargs["cache_dir"]).absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise MaskError(f"{where}: the Hub cache {hub_kwargs['cache_dir']} cannot be made: {existing} is a file "
+                            "(give a cache folder)")
     if is_offline():
         hub_kwargs["local_files_only"] = True
     try:
@@ -141,6 +148,10 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     except (HfHubHTTPError, FileMetadataError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MaskError(f"{where}: the Hub ({endpoint}) refused the download: {first}") from None
+    except OSError as e:  # the cache folder is a file, read-only, or the disk is full
+        cache = hub_kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+        raise MaskError(f"{where}: cannot write the Hub cache {cache}: {e.strerror or e} (give a cache folder leank "
+                        "may write into)") from None
     missing = [name for name in (MASK_FILE, CONFIG_FILE) if not (folder / name).is_file()]
     if missing:
         _explain_missing(repo_id, revision, folder, missing, hub_kwargs)
