@@ -644,3 +644,18 @@ def test_pull_into_a_cache_that_cannot_be_written_is_one_line(hub, tmp_path, mon
     message = f"cannot write the Hub cache {cache}: No space" if where == "full disk" else f"{cache} is a file"
     last = err.rstrip("\n").split("\n")[-1]  # (after huggingface_hub's download progress, on the full disk)
     assert code == 2 and last.startswith("leank pull: error:") and message in last and err.count("error") == 1, err
+
+
+def test_leank_backend_triton_without_a_gpu_is_one_line(tmp_path, monkeypatch, capsys):
+    from test_hostile import cli
+    from test_model import tiny_repo
+
+    from leank_infer.decode import triton_decode
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: triton runs")
+    monkeypatch.setattr(triton_decode, "kernels_interpreted", lambda: False)  # as outside the tests
+    mask_dir, _ = tiny_repo(tmp_path)
+    monkeypatch.setenv("LEANK_BACKEND", "triton")
+    code, err = cli(["generate", str(mask_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "LEANK_BACKEND=triton needs" in err, err
