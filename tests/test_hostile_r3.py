@@ -659,3 +659,14 @@ def test_leank_backend_triton_without_a_gpu_is_one_line(tmp_path, monkeypatch, c
     monkeypatch.setenv("LEANK_BACKEND", "triton")
     code, err = cli(["generate", str(mask_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "2"], capsys)
     assert code == 2 and err.count("\n") == 1 and "LEANK_BACKEND=triton needs" in err, err
+
+
+@pytest.mark.parametrize("command", [["run"], ["fit", "--config"]])
+def test_a_file_that_is_no_recipe_is_never_echoed(tmp_path, capsys, command):
+    from test_hostile import cli
+
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$secrethash$xyz:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n")
+    code, err = cli([*command, str(secret)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "line 1 holds no key name" in err, err
+    assert "secrethash" not in err and "19000" not in err
