@@ -670,3 +670,14 @@ def test_a_file_that_is_no_recipe_is_never_echoed(tmp_path, capsys, command):
     code, err = cli([*command, str(secret)], capsys)
     assert code == 2 and err.count("\n") == 1 and "line 1 holds no key name" in err, err
     assert "secrethash" not in err and "19000" not in err
+
+
+def test_an_eval_record_too_big_for_a_card_is_refused_before_push(tmp_path):
+    from leank_infer.hub.card import write_model_card
+    from leank_infer.mask import MaskError
+
+    folder = _small_mask().save_pretrained(tmp_path / "m")
+    rows = [{"dataset": f"needle-{i}-" + "x" * 8000, "value": 0.5} for i in range(1100)]  # 8.8 MB of names
+    with pytest.raises(MaskError, match=r"the card would be [\d,]+ bytes, over the 8,388,608 .* 1,100 result rows"):
+        write_model_card(folder, rows)
+    assert not (folder / "README.md").exists()  # the folder is as it was

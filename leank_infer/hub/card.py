@@ -461,7 +461,16 @@ def write_card_files(
         plot_pattern(mask, folder / "pattern.png")
     except ImportError as e:
         warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
-    build_card(mask, repo, record.get("results"), record.get("figures"), record.get("kv_quant")).save(folder / "README.md")
+    card = str(build_card(mask, repo, record.get("results"), record.get("figures"), record.get("kv_quant")))
+    from ..mask import MaskError
+    from ..mask.format import file_limit
+
+    if len(card.encode()) > file_limit("README.md"):  # a push would refuse it: say so now, with what makes it big
+        raise MaskError(f"{folder}: the card would be {len(card.encode()):,} bytes, over the {file_limit('README.md'):,} "
+                        f"a mask repo's README.md may hold (push refuses it); {EVAL_FILE} holds "
+                        f"{len(record.get('results') or ()):,} result rows: keep fewer")
+    with open(folder / "README.md", "w", newline="", encoding="utf-8") as f:  # as ModelCard.save writes it
+        f.write(card)
 
 
 def write_model_card(
