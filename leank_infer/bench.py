@@ -257,6 +257,8 @@ def bench(
     if dense_until and rule != DENSE_PREFILL:
         raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {rule} (every generated query "
                          f"follows the rule by its position): drop --dense-until, or use --rule {DENSE_PREFILL}")
+    if threads and threads > 4 * (os.cpu_count() or 1):
+        raise UsageError(f"--threads {threads}: this machine has {os.cpu_count()} CPUs; give at most {4 * (os.cpu_count() or 1)}")
     if threads:
         torch.set_num_threads(threads)
     new_tokens = max(3, new_tokens)

@@ -7,6 +7,7 @@ them with the functions below (imported lazily: importing this module pulls no p
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -137,6 +138,9 @@ def _open_regular(path: Path, what: str) -> bytes:
         os.close(fd)
 
 
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,99}")
+
+
 def yaml_mapping_file(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     """A YAML file's mapping; a missing, binary, huge, aliased-without-end or non-mapping file is one UsageError
     naming it (never quoting it: a mistaken ``--config /etc/shadow`` must not print the file)."""
@@ -163,6 +167,10 @@ def yaml_mapping_file(path: str | Path, what: str = "recipe") -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"{what} {path} holds a YAML {type(data).__name__}; a {what} is a mapping of keys")
+    for key_node, _ in getattr(node, "value", ()):  # a key no recipe has (a password file's line): never echoed
+        if not (isinstance(key_node.value, str) and _KEY.fullmatch(key_node.value)):
+            raise UsageError(f"{what} {path} is not a {what}: line {key_node.start_mark.line + 1} holds no key name "
+                             "(letters, digits, '_', '.', '-'; the line is not shown)")
     return data
 
 

@@ -1,7 +1,8 @@
 """``leank generate MASK --prompt ...``: one prompt answered dense and with LeanK, side by side.
 
 Both runs use the same loaded model: the dense one inside ``LeanKModel.dense()`` (the model's own
-attention), so the dense answer comes from transformers' own DynamicCache path.
+attention), so the dense answer comes from transformers' own DynamicCache path; for a mask with
+``config_overrides``, the dense answer is the base model's loaded without them (the model as published).
 """
 
 from __future__ import annotations
@@ -96,11 +97,20 @@ def generate(
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         gen["pad_token_id"] = tok.eos_token_id
 
+    base = None  # the dense column answers with the base model as published, not with the mask's overrides
+    if lk.mask.config_overrides:
+        from .model.loading import load_base_model
+
+        base, _ = load_base_model(lk.mask.base_model, lk.mask.base_revision, lk.mask.loader, with_tokenizer=False,
+                                  adapter=lk.mask.adapter, adapter_revision=lk.mask.adapter_revision,
+                                  dtype=DTYPES[dtype])
+        base.to(lk.device)
     results = []
-    for name, cache in (("dense", DynamicCache(config=lk.model.config)), ("LeanK", lk.new_cache())):
+    for name, cache in (("dense", DynamicCache(config=(base or lk.model).config)), ("LeanK", lk.new_cache())):
         t0 = time.perf_counter()
-        with torch.inference_mode(), lk.dense() if name == "dense" else contextlib.nullcontext():
-            out = lk.model.generate(**enc, **{CACHE_KWARG: cache}, **gen)
+        with torch.inference_mode(), lk.dense() if name == "dense" and base is None else contextlib.nullcontext():
+            out = (base if name == "dense" and base is not None else lk.model).generate(
+                **enc, **{CACHE_KWARG: cache}, **gen)
         secs = time.perf_counter() - t0
         nbytes = cache.nbytes() if name == "LeanK" else dynamic_cache_bytes(cache)
         answer = tok.decode(out[0, n:], skip_special_tokens=True).strip()

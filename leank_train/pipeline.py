@@ -155,7 +155,10 @@ def checkpoint_damage(path: Path) -> str | None:
 
     try:
         with open(path, "rb") as f:
-            if f.read(4) != b"PK\x03\x04":
+            head = f.read(4)
+            if len(head) < 4:
+                return f"{len(head)} bytes: a run killed as it began writing it"
+            if head != b"PK\x03\x04":
                 return None  # not a zip: torch's weights-only loader decides (and refuses more than tensors)
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()

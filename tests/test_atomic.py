@@ -216,11 +216,13 @@ def test_what_killed_saves_left_is_cleaned_but_a_live_writers_folder_is_not(tmp_
     import fcntl
 
     folder = _mask_repo(tmp_path / "m")
-    stale = [tmp_path / ".m.new-abcd1234", tmp_path / ".m.gone-abcd1234", tmp_path / ".m.old-abcd1234"]
-    live, other = tmp_path / ".m.new-live0000", tmp_path / ".n.new-abcd1234"
-    for p in [*stale, live, other]:
-        (p / "x").mkdir(parents=True)
-        (p / "x" / "half.safetensors").write_bytes(b"half")
+    made = []
+    for name, kind in [("m", "new"), ("m", "gone"), ("m", "old"), ("m", "new"), ("n", "new")]:
+        with atomic._fresh(tmp_path, name, kind) as p:  # as leank made them (its marker inside)
+            (p / "x").mkdir()
+            (p / "x" / "half.safetensors").write_bytes(b"half")
+        made.append(p)
+    live, other = made[3], made[4]
     fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a writer still filling it
     try:

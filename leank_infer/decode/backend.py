@@ -34,6 +34,11 @@ def requested_backend(backend: str | None = None) -> str:
         backend = backend.strip().lower() or "auto"
         if backend not in BACKENDS:
             raise BackendError(f"LEANK_BACKEND must be one of {', '.join(BACKENDS)} (or unset), got {backend!r}")
+        if backend == "triton" and not triton_decode.HAS_TRITON:
+            raise BackendError("LEANK_BACKEND=triton needs triton installed (pip install triton); unset it for auto")
+        if backend == "triton" and not torch.cuda.is_available() and not triton_decode.kernels_interpreted():
+            raise BackendError("LEANK_BACKEND=triton needs a CUDA GPU, which this machine lacks (or TRITON_INTERPRET=1 "
+                               "for triton's CPU interpreter); unset it for auto")
     backend = backend.lower()
     if backend not in BACKENDS:
         raise BackendError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -39,6 +39,7 @@ PARAM_DTYPE = torch.float16
 #: the measured default group sizes (docs/speed.md, "KV quantisation": benchmarks/quant_groups.py)
 K_GROUP = 32  # middle tokens per K scale (per kept channel)
 V_GROUP = 64  # channels per V scale (per token); a head_dim smaller than this uses the whole row
+MAX_GROUP = 1024  # a larger group buffers that many full-precision tokens per open K group (2**26 asked 8 GiB)
 _F16_MAX = torch.finfo(torch.float16).max
 
 
@@ -53,11 +54,13 @@ class KVQuant:
     v_group: int = V_GROUP
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"kv_quant bits must be 8 or 4, got {self.bits}")
+        if isinstance(self.bits, bool) or self.bits not in (4, 8):
+            raise ValueError(f"kv_quant bits must be 8 or 4, got {self.bits!r}")
+        if self.name != f"int{self.bits}":
+            raise ValueError(f"kv_quant name {self.name!r} does not match its {self.bits} bits (int{self.bits})")
         for what, g in (("k_group", self.k_group), ("v_group", self.v_group)):
-            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
-                raise ValueError(f"kv_quant {what} must be a power of two >= 1, got {g!r}")
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1) or g > MAX_GROUP:
+                raise ValueError(f"kv_quant {what} must be a power of two from 1 to {MAX_GROUP}, got {g!r}")
 
     @property
     def levels(self) -> int:
@@ -89,7 +92,7 @@ def kv_quant_format(kv_quant: str | KVQuant | None) -> KVQuant | None:
     """The format ``kv_quant`` names (``"int8"``, ``"int4"``, a :class:`KVQuant`, or None: no quantisation)."""
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
-    if kv_quant not in KV_QUANTS:
+    if not isinstance(kv_quant, str) or kv_quant not in KV_QUANTS:
         raise ValueError(f"kv_quant must be one of {', '.join(map(repr, KV_QUANTS))} or None, got {kv_quant!r}")
     return KV_QUANTS[kv_quant]
 

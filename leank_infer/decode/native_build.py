@@ -8,6 +8,13 @@ file named by a hash of the source, the flags, the compiler and the CPU (``-marc
 another CPU of a shared home); later processes load it in milliseconds. The flags are tried in order
 (:data:`TRIES`), the first that builds wins. Where no compiler works, or the kernel's environment switch is
 ``0``, ``available()`` is false and the caller keeps its PyTorch path (logged once).
+
+Loading a library runs its code, so a cached one is loaded only once it is verified (:func:`library_problem`):
+a regular file (not a link) owned by this user and writable by no one else, in a folder that no other user can
+write to (nor any folder above it, unless sticky like ``/tmp``), whose SHA-256 is the one the build recorded
+beside it (``NAME.so.sha256``, written atomically before the library is renamed into place). A library planted
+under the expected name, a link to one, a truncated or damaged file, or one without its record is rebuilt (one
+log line), never loaded; a kernel folder other users may write to is refused (the PyTorch path is used).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -41,6 +49,77 @@ def cpu_id() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor() + platform.machine()
+
+
+RECORD_SUFFIX = ".sha256"  # NAME.so.sha256 beside NAME.so: the library's SHA-256 as the build wrote it
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def folder_problem(directory: Path) -> str | None:
+    """Why libraries in ``directory`` cannot be trusted (None when they can): the folder must be this user's
+    and writable by no one else, and every folder above it owned by this user or root and, if others may write
+    to it, sticky (``/tmp``): otherwise another user could swap the library or the folder holding it."""
+    uid = os.geteuid()
+    try:
+        info = os.lstat(directory)
+    except OSError as e:
+        return f"{directory} cannot be inspected: {e.strerror}"
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a folder (a link or a file)"
+    if info.st_uid != uid:
+        return f"the kernel folder {directory} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & 0o022:
+        return f"the kernel folder {directory} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    for above in directory.resolve().parents:
+        try:
+            up = os.stat(above)
+        except OSError as e:
+            return f"{above} cannot be inspected: {e.strerror}"
+        if up.st_uid not in (0, uid):
+            return f"{above}, above the kernel folder, belongs to another user (uid {up.st_uid})"
+        if up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX:
+            return f"{above}, above the kernel folder, is writable by other users and not sticky"
+    return None
+
+
+def library_problem(lib_path: Path) -> str | None:
+    """Why the cached library ``lib_path`` may not be loaded (None when it is verified; see the module
+    docstring): its folder, its kind, owner and mode, and its SHA-256 against the build's record."""
+    why = folder_problem(lib_path.parent)
+    if why:
+        return why
+    record = lib_path.with_name(lib_path.name + RECORD_SUFFIX)
+    uid = os.geteuid()
+    for path in (lib_path, record):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return f"{path.name} is missing" + (" (no hash recorded at build)" if path == record else "")
+        except OSError as e:
+            return f"{path.name} cannot be inspected: {e.strerror}"
+        if stat.S_ISLNK(info.st_mode):
+            return f"{path.name} is a symlink"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{path.name} is not a regular file"
+        if info.st_uid != uid:
+            return f"{path.name} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022:
+            return f"{path.name} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    try:
+        want = record.read_text().strip()
+        have = _sha256(lib_path)
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{lib_path.name} cannot be read: {e}"
+    if have != want:
+        return f"{lib_path.name} does not hash to what its build recorded (damaged, truncated or replaced)"
+    return None
 
 
 class NativeLibrary:
@@ -75,21 +154,35 @@ class NativeLibrary:
             from ..folders.cache_root import cache_root
 
             directory = cache_root() / self.folder
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        why = folder_problem(directory)
+        if why:
+            raise OSError(f"{why}; leank loads kernels only from a folder no other user can write to "
+                          "(set $LEANK_CACHE to a private folder)")
         errors = []
         for flags in [extra] if extra is not None else TRIES:
             every = FLAGS + flags
             key = hashlib.sha256("\0".join([source, *every, cxx, cpu_id()]).encode()).hexdigest()[:16]
             lib_path = directory / f"leank_{self.source.stem}_{key}.so"
-            if lib_path.exists():
-                return lib_path
-            directory.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(lib_path):
+                why = library_problem(lib_path)
+                if why is None:
+                    return lib_path
+                self.log.warning("LeanK: the cached %s %s is not verified (%s); rebuilding it", self.what, lib_path, why)
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 src = Path(tmp) / self.source.name
                 src.write_text(source)
                 so = Path(tmp) / lib_path.name
                 run = subprocess.run([cxx, *every, "-o", str(so), str(src)], capture_output=True, text=True)
                 if run.returncode == 0:
-                    os.replace(so, lib_path)  # atomic: a concurrent builder never loads half a file
+                    os.chmod(so, 0o755)
+                    digest = Path(tmp) / (lib_path.name + RECORD_SUFFIX)
+                    digest.write_text(_sha256(so) + "\n")
+                    os.chmod(digest, 0o644)
+                    # each rename is atomic: a concurrent builder never loads half a file, and a library whose
+                    # record is another build's fails the hash check and is rebuilt, never loaded
+                    os.replace(digest, lib_path.with_name(digest.name))
+                    os.replace(so, lib_path)
                     return lib_path
                 errors.append(f"{' '.join(every)}: {run.stderr[-1500:]}")
         raise OSError(f"building the LeanK {self.what} failed:\n" + "\n".join(errors))

@@ -15,6 +15,11 @@ What a killed writer leaves is put right by the next one to take the lock (:func
 folder half-filled (``.NAME.new-*``, locked while it is filled, so a live one is never taken) is
 removed, and without the exchange, a target moved aside (``.NAME.old-*/x``) when the writer died
 between its two renames is put back, so the mask never vanishes into a hidden folder.
+
+Only folders leank can prove it made are touched: each sibling holds a marker file (:data:`MARKER`) naming
+the sibling and its inode, written as the sibling is made, beside the content in ``x``. A user's folder that
+merely matches ``.NAME.{new,old,gone}-XXXXXXXX`` (or a copy of a leftover: another inode) is never removed,
+and never moved into the target's place.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +51,14 @@ class FolderChanged(FolderError):
 def refusal(target: Path, problem: Callable[[Path], str | None], kind: str) -> str | None:
     """Why ``target`` may not be replaced by a new ``kind`` folder (None when it may); ``problem(folder)``
     says why a non-empty folder is not of that kind (None when it is)."""
+    first = target.parts[0] if target.parts else ""
+    try:
+        home = first.startswith("~") and Path(first).expanduser() != Path(first)
+    except RuntimeError:  # ~name of no user: a shell would not expand it either
+        home = False
+    if home:
+        return (f"{str(target)!r} starts with {first!r}, which only a shell expands to a home folder; leank takes the "
+                f"path as written (it would make a folder named {first!r}): give the full path")
     if target.name in ("", ".", "..") or target.resolve() == Path(target.anchor or "/").resolve():
         return f"{str(target)!r} is not a folder name leank can write a {kind} to (give a new or {kind} folder)"
     if target.is_symlink():
@@ -76,15 +90,53 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 _SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>new|old|gone)-[A-Za-z0-9_]{8}")
 
 
+MARKER = ".leank-sibling"  # in each sibling leank makes: "leank KIND NAME INODE", its proof of ownership
+
+
+def _marker_text(folder: Path, kind: str) -> str:
+    return f"leank {kind} {folder.name} {os.lstat(folder).st_ino}\n"
+
+
+def _own(folder: Path, kind: str) -> bool:
+    """Whether ``folder`` is a sibling leank made (its marker names it and its inode; not a link; this user's)."""
+    try:
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            return False
+        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mark = os.fstat(fd)
+            text = os.read(fd, 512) if stat.S_ISREG(mark.st_mode) and mark.st_uid == os.geteuid() else b""
+        finally:
+            os.close(fd)
+        return text.decode("utf-8", "replace") == _marker_text(folder, kind)
+    except OSError:
+        return False
+
+
 @contextmanager
 def _fresh(parent: Path, name: str, kind: str, parent_locked: bool = False) -> Iterator[Path]:
-    """A new hidden sibling folder ``.NAME.KIND-XXXXXXXX``, flock-ed while the block runs: :func:`tidy` (under the
-    parent's lock, as the folder is made and locked) takes only unlocked ones, whose writer died."""
+    """A new hidden sibling folder ``.NAME.KIND-XXXXXXXX`` holding its marker (:data:`MARKER`), flock-ed while the
+    block runs: :func:`tidy` (under the parent's lock, as the folder is made and locked) takes only unlocked ones
+    that it made, whose writer died. The content goes into its ``x``."""
 
     def make() -> tuple[Path, int]:
-        folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
+        except OSError as e:
+            if e.errno not in _WRITE_ERRORS:
+                raise
+            raise FolderError(f"cannot write {parent / name}: {e.strerror} in {parent} (nothing was changed)") from None
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            (folder / MARKER).write_text(_marker_text(folder, kind))
+        except BaseException as e:
+            os.close(fd)
+            shutil.rmtree(folder, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in _WRITE_ERRORS:
+                raise FolderError(f"cannot write {parent / name}: {e.strerror} (nothing was changed)") from None
+            raise
         return folder, fd
 
     if parent_locked:
@@ -117,7 +169,8 @@ def tidy(target: Path) -> None:
     """Put right what killed writers of ``target`` left beside it; call it holding the parent's lock.
 
     A target moved aside (``.NAME.old-*/x``) while the target is missing is put back (the newest); other
-    ``.NAME.old-*`` and ``.NAME.gone-*`` folders, and ``.NAME.new-*`` folders no live writer holds, are removed.
+    ``.NAME.old-*`` and ``.NAME.gone-*`` folders, and ``.NAME.new-*`` folders no live writer holds, are removed:
+    only those leank made (their marker, :func:`_own`), never a user's folder of such a name.
     """
     parent = target.parent
     try:
@@ -125,6 +178,7 @@ def tidy(target: Path) -> None:
                    if (m := _SIBLING.fullmatch(n)) and m.group("name") == target.name]
     except OSError:
         return
+    entries = [(kind, p) for kind, p in entries if _own(p, kind)]
     aside = sorted((p for kind, p in entries if kind == "old" and (p / "x").is_dir()),
                    key=lambda p: p.stat().st_mtime_ns, reverse=True)
     if aside and not os.path.lexists(target):
@@ -249,9 +303,11 @@ def write_folder(
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FolderError(f"cannot make the folder {parent} to hold {target.name}: {e.strerror}") from None
-    with _fresh(parent, target.name, "new") as tmp:
+    with _fresh(parent, target.name, "new") as box:
+        tmp = box / "x"
         try:
             try:
+                tmp.mkdir()
                 fill(tmp)
                 _ordinary_permissions(tmp)
             except OSError as e:
@@ -268,14 +324,12 @@ def write_folder(
                     pass  # tmp now holds the old folder
                 elif target.is_dir():
                     _swap_by_renames(tmp, target)
-                    return target
                 else:
                     os.rename(tmp, target)
-                    return target
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(box, ignore_errors=True)
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # the old folder
+        shutil.rmtree(box, ignore_errors=True)  # the old folder
     return target
 
 
@@ -288,7 +342,7 @@ def _swap_by_renames(new: Path, target: Path) -> None:
             os.rename(new, target)
         except BaseException:
             os.rename(old / "x", target)  # if this fails too, old/x stays where tidy() finds it
-            os.rmdir(old)
+            shutil.rmtree(old, ignore_errors=True)
             raise
         shutil.rmtree(old, ignore_errors=True)
 
@@ -303,17 +357,18 @@ def create_folder(target: str | os.PathLike, fill: Callable[[Path], None]) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent):
         tidy(target)
-    with _fresh(target.parent, target.name, "new") as tmp:
+    with _fresh(target.parent, target.name, "new") as box:
+        tmp = box / "x"
         try:
+            tmp.mkdir()
             fill(tmp)
             _ordinary_permissions(tmp)
             try:
                 os.rename(tmp, target)
             except OSError:  # another process won the race: use its folder
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+                pass
+        finally:
+            shutil.rmtree(box, ignore_errors=True)
     return target
 
 

@@ -71,6 +71,17 @@ def code_fence(text: str) -> str:
 
     return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
 
+def inline_code(text: str) -> str:
+    """``text`` as one Markdown code span it cannot close (CommonMark: a longer run of backticks, padded with
+    spaces; line breaks made spaces), so a recorded command cannot add Markdown or live HTML to the card."""
+    import re
+
+    text = " ".join(str(text).split())
+    ticks = "`" * (1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
+    pad = " " if "`" in text else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
 USAGE = """\
 from leank_infer import LeanKModel
 
@@ -237,7 +248,7 @@ def kv_quant_section(record: dict[str, Any] | list[dict[str, Any]] | None) -> st
             f"{probes} probes per task and length; the headline is the mean over the tasks the full model passes ("
             + "; ".join(f"{n} tokens: {', '.join(t)}" for n, t in rec.get("headline_tasks", {}).items())
             + "), +/- its standard error.\n\n")
-        out.append(f"`{rec['command']}`\n\n" + "\n".join(lines) + "\n\n" + size)
+        out.append(f"{inline_code(rec['command'])}\n\n" + "\n".join(lines) + "\n\n" + size)
     return "".join(out)
 
 
@@ -321,7 +332,7 @@ def build_card(
                 if rules == ["dense-prefill"] else " (the prompt attended densely, each generated token pruned by its "
                 "position: what the vLLM plugin serves)." if rules == ["dense-prompt"] else ".")
         results_md = f"## Results\n\n{said}\n\n" + "".join(
-            f"`{cmd}`\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
+            f"{inline_code(cmd)}\n\n{results_table([r for r in eval_results if r.get('command', 'leank eval ' + repo) == cmd])}\n\n"
             for cmd in commands)
     results_md += kv_quant_section(kv_quant)
     data = ModelCardData(
@@ -354,7 +365,7 @@ def build_card(
         repo=repo,
         usage=USAGE.format(repo=repo),
         results=results_md,
-        figures="".join(f"![{name}]({name})\n\nDrawn by `{cmd}`\n\n" for name, cmd in (figures or {}).items()),
+        figures="".join(f"![{name}]({name})\n\nDrawn by {inline_code(cmd)}\n\n" for name, cmd in (figures or {}).items()),
         capacity=capacity_section(mask, repo),
         provenance=provenance_section(mask),
         recipe=RECIPE_SECTION.format(recipe=(recipe := (mask.recipe or "# (no recipe recorded)").rstrip()),
@@ -366,6 +377,26 @@ def build_card(
 
 
 EVAL_FILE = "eval.json"
+
+
+def result_row_problem(row: dict[str, Any]) -> str | None:
+    """Why an ``eval.json`` results row cannot be written into the card (None when it can): what
+    :func:`build_card` and :func:`results_table` read, of the types they read it as."""
+    import math
+
+    if not isinstance(row.get("dataset"), str):
+        return "has no 'dataset' string"
+    value = row.get("value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"has no finite number 'value' (got {value!r:.40})"
+    for key in ("metric", "command", "text", "task", "task_type", "dataset_type", "metric_type", "dataset_config",
+                "dataset_split", "metric_config"):
+        if row.get(key) is not None and not isinstance(row[key], str):
+            return f"has a {key!r} that is not a string"
+    for key in ("metric_args", "dataset_args"):
+        if row.get(key) is not None and not isinstance(row[key], dict):
+            return f"has a {key!r} that is not an object"
+    return None
 
 
 def read_eval_record(folder: str | Path) -> dict[str, Any]:
@@ -384,6 +415,10 @@ def read_eval_record(folder: str | Path) -> dict[str, Any]:
     results, figures = record.get("results"), record.get("figures", {})
     if results is not None and not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
         raise MaskError(f"{path}: 'results' must be a list of result rows (objects); fix or delete the file")
+    for i, row in enumerate(results or ()):
+        why = result_row_problem(row)
+        if why:
+            raise MaskError(f"{path}: results row {i} {why}; fix or delete the file")
     if not isinstance(figures, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in figures.items()):
         raise MaskError(f"{path}: 'figures' must map PNG file names to the commands that drew them; fix or delete it")
     if "kv_quant" in record:
@@ -426,7 +461,16 @@ def write_card_files(
         plot_pattern(mask, folder / "pattern.png")
     except ImportError as e:
         warnings.warn(f"pattern.png not written ({e.name} is missing: pip install 'leank[train]')", stacklevel=2)
-    build_card(mask, repo, record.get("results"), record.get("figures"), record.get("kv_quant")).save(folder / "README.md")
+    card = str(build_card(mask, repo, record.get("results"), record.get("figures"), record.get("kv_quant")))
+    from ..mask import MaskError
+    from ..mask.format import file_limit
+
+    if len(card.encode()) > file_limit("README.md"):  # a push would refuse it: say so now, with what makes it big
+        raise MaskError(f"{folder}: the card would be {len(card.encode()):,} bytes, over the {file_limit('README.md'):,} "
+                        f"a mask repo's README.md may hold (push refuses it); {EVAL_FILE} holds "
+                        f"{len(record.get('results') or ()):,} result rows: keep fewer")
+    with open(folder / "README.md", "w", newline="", encoding="utf-8") as f:  # as ModelCard.save writes it
+        f.write(card)
 
 
 def write_model_card(

@@ -1,6 +1,7 @@
 """Mask repos to and from the Hub, folder in, folder out, through huggingface_hub's own API.
 
-Pull (:func:`resolve_mask_dir`): ``snapshot_download`` of the safe files only into a folder, so the
+Pull (:func:`resolve_mask_dir`): the revision resolved to one commit and its listing checked against the
+limits, then ``snapshot_download`` of exactly the listed safe files (names, not patterns) at that commit, so the
 Hub cache, revision pinning (branch, tag or commit) and offline mode (``HF_HUB_OFFLINE=1``) are
 huggingface_hub's; every failure is one :class:`MaskError` that names the repo and the revision.
 Push (:func:`upload_folder`): ``create_repo`` (and ``create_branch``), then one ``create_commit``
@@ -13,6 +14,7 @@ and ``HF_TOKEN`` (or the saved login) as usual.
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 import re
 from pathlib import Path
@@ -93,6 +95,13 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
 
     where = _where(repo_id, revision)
     endpoint = hub_kwargs.get("endpoint") or constants.ENDPOINT
+    if hub_kwargs.get("cache_dir") is not None:
+        existing = Path(hub_kwargs["cache_dir"]).absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise MaskError(f"{where}: the Hub cache {hub_kwargs['cache_dir']} cannot be made: {existing} is a file "
+                            "(give a cache folder)")
     if is_offline():
         hub_kwargs["local_files_only"] = True
     try:
@@ -104,9 +113,16 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
             except LocalEntryNotFoundError:
                 folder = None
         if folder is None:
-            names = None if hub_kwargs.get("local_files_only") else checked_download(repo_id, revision, hub_kwargs)
-            allow = ALLOW_PATTERNS if names is None else names  # None: the Hub cannot be asked; the cache is used
-            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, **hub_kwargs))
+            listed = None if hub_kwargs.get("local_files_only") else checked_download(repo_id, revision, hub_kwargs)
+            if listed is None:  # the Hub cannot be asked: the cache is used
+                folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                                **hub_kwargs))
+            else:  # the exact names listed, at the commit listed: a push meanwhile changes nothing fetched
+                names, commit = listed
+                folder = Path(snapshot_download(repo_id, revision=commit,
+                                                allow_patterns=[glob.escape(n) for n in names], **hub_kwargs))
+                _check_downloaded(folder, names, where)
+                _remember_revision(folder, revision, commit)
     except HFValidationError as e:
         raise MaskError(f"{repo_id!r} is neither a local folder nor a valid Hub repo id: {e}") from None
     except RevisionNotFoundError:
@@ -132,33 +148,41 @@ def resolve_mask_dir(path_or_repo: str | os.PathLike, revision: str | None = Non
     except (HfHubHTTPError, FileMetadataError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MaskError(f"{where}: the Hub ({endpoint}) refused the download: {first}") from None
+    except OSError as e:  # the cache folder is a file, read-only, or the disk is full
+        cache = hub_kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+        raise MaskError(f"{where}: cannot write the Hub cache {cache}: {e.strerror or e} (give a cache folder leank "
+                        "may write into)") from None
     missing = [name for name in (MASK_FILE, CONFIG_FILE) if not (folder / name).is_file()]
     if missing:
         _explain_missing(repo_id, revision, folder, missing, hub_kwargs)
     return folder
 
 
-def checked_download(repo_id: str, revision: str | None, hub_kwargs: dict[str, Any]) -> list[str] | None:
-    """The files of the repo that a pull downloads, once their sizes (the Hub's listing) are checked against
-    the limits a mask folder is read with (:func:`~leank_infer.mask.format.file_limit`, a count and a total),
-    so nothing over them is downloaded at all. Only top-level mask repo files: ``*.png`` must not pull a
-    folder of photos. None when the Hub cannot be asked (unreachable: the cache is used, as before)."""
+def checked_download(
+    repo_id: str, revision: str | None, hub_kwargs: dict[str, Any]
+) -> tuple[list[str], str] | None:
+    """The files of the repo that a pull downloads and the commit they are listed at (the revision resolved
+    once, so the download is of that commit), once their sizes (the Hub's listing) are checked against the
+    limits a mask folder is read with (:func:`~leank_infer.mask.format.file_limit`, a count and a total), so
+    nothing over them is downloaded at all. Only top-level mask repo files: ``*.png`` must not pull a folder of
+    photos. None when the Hub cannot be asked (unreachable: the cache is used, as before)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"))
     try:
-        entries = list(api.list_repo_tree(repo_id, revision=revision, recursive=True))
+        info = api.model_info(repo_id, revision=revision, files_metadata=True)
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
         raise  # named by the caller, as snapshot_download's own
     except Exception:  # noqa: BLE001 - unreachable, refused, down: snapshot_download decides (cache or error)
         return None
-    sizes = {
-        e.path: int(getattr(e, "size", 0) or 0) for e in entries
-        if getattr(e, "size", None) is not None and "/" not in e.path
-        and any(fnmatch.fnmatch(e.path, pat) for pat in ALLOW_PATTERNS)
-    }
     where = _where(repo_id, revision)
+    if not isinstance(info.sha, str) or not _COMMIT_RE.fullmatch(info.sha):
+        raise MaskError(f"{where}: the Hub gave no commit id for the revision ({info.sha!r}); nothing was downloaded")
+    sizes = {
+        e.rfilename: int(getattr(e, "size", 0) or 0) for e in info.siblings or ()
+        if "/" not in e.rfilename and any(fnmatch.fnmatch(e.rfilename, pat) for pat in ALLOW_PATTERNS)
+    }
     if len(sizes) > MAX_REPO_FILES:
         raise MaskError(f"{where} holds {len(sizes)} mask repo files; a mask repo has at most {MAX_REPO_FILES} "
                         "(nothing was downloaded)")
@@ -170,7 +194,34 @@ def checked_download(repo_id: str, revision: str | None, hub_kwargs: dict[str, A
     if sum(sizes.values()) > MAX_REPO_BYTES:
         raise MaskError(f"{where}: its mask repo files hold {sum(sizes.values()):,} bytes together; at most "
                         f"{MAX_REPO_BYTES:,} (nothing was downloaded)")
-    return sorted(sizes)
+    return sorted(sizes), info.sha
+
+
+def _check_downloaded(folder: Path, names: list[str], where: str) -> None:
+    """The bound again on what arrived: exactly the listed names, each and all within the limits."""
+    total = 0
+    for name in names:
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            continue  # not there: said by the caller's missing-file check
+        total += size
+        if size > file_limit(name) or total > MAX_REPO_BYTES:
+            raise MaskError(f"{where}: {name} arrived as {size:,} bytes, over a mask repo's limits "
+                            f"({file_limit(name):,} for the file, {MAX_REPO_BYTES:,} in all)")
+
+
+def _remember_revision(folder: Path, revision: str | None, commit: str) -> None:
+    """Record in the Hub cache that ``revision`` (a branch or tag) was at ``commit``, as snapshot_download does
+    when given the branch, so an offline pull of the branch finds it."""
+    if revision is not None and revision == commit:
+        return
+    try:
+        from huggingface_hub.file_download import _cache_commit_hash_for_specific_revision
+    except ImportError:  # a huggingface_hub without it: the commit is cached, the branch name is not
+        return
+    if folder.parent.name == "snapshots" and folder.name == commit:
+        _cache_commit_hash_for_specific_revision(str(folder.parent.parent), revision or "main", commit)
 
 
 def _explain_missing(

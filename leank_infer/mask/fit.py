@@ -44,6 +44,41 @@ def config_differences(config: Any, overrides: dict[str, Any]) -> list[str]:
     ]
 
 
+# Overrides that extend the context a model reads (YaRN and its kin) without changing what it computes within
+# its trained length: a mask may carry these as they are. Any other override that changes the base model's
+# config (``hidden_act``, ``rms_norm_eps``, ``rope_theta``, ``tie_word_embeddings``...) needs a stated reason.
+CONTEXT_OVERRIDES = frozenset({"rope_parameters", "rope_scaling", "max_position_embeddings"})
+OVERRIDES_REASON = "config_overrides_reason"  # the key in a mask's ``extra`` that says why it changes the model
+
+
+def _rope_theta(config: Any) -> Any:
+    params = getattr(config, "rope_parameters", None)
+    return params.get("rope_theta") if isinstance(params, dict) and "rope_theta" in params else getattr(
+        config, "rope_theta", None)
+
+
+def computing_overrides(config: Any, overrides: dict[str, Any]) -> list[str]:
+    """The overrides that change what the base model (its ``config``, before them) computes: every one whose
+    value differs from the config's, except the context-extension ones (:data:`CONTEXT_OVERRIDES`), whose
+    ``rope_theta`` must stay the model's."""
+    changed = []
+    for name, want in overrides.items():
+        if getattr(config, name, object()) == want:
+            continue
+        if name in CONTEXT_OVERRIDES:
+            theta = want.get("rope_theta") if isinstance(want, dict) else None
+            if theta is None or theta == _rope_theta(config):
+                continue
+        changed.append(name)
+    return sorted(changed)
+
+
+def overrides_reason(mask: ChannelMask) -> str | None:
+    """The mask's stated reason for overrides that change what the base model computes (None when it has none)."""
+    reason = mask.extra.get(OVERRIDES_REASON)
+    return reason.strip() if isinstance(reason, str) and reason.strip() else None
+
+
 def check_fit(
     mask: ChannelMask,
     model_config: Any,

@@ -126,9 +126,10 @@ class _Vanished(Exception):
     """A file disappeared while reading (the folder was being swapped, or it is missing)."""
 
 
-def _read_limited(dir_fd: int, folder: Path, name: str, limit: int, follow: bool = True) -> bytes:
+def _read_limited(dir_fd: int, folder: Path, name: str, limit: int, follow: bool = True,
+                  one_link: bool = False) -> bytes:
     """The bytes of regular file ``name`` in the folder open as ``dir_fd``, at most ``limit`` of them
-    (``follow=False``: a symlink is refused, not followed)."""
+    (``follow=False``: a symlink is refused, not followed; ``one_link``: a file with other hard links is refused)."""
     path = folder / name
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)  # a FIFO must not block
     try:
@@ -146,6 +147,9 @@ def _read_limited(dir_fd: int, folder: Path, name: str, limit: int, follow: bool
             kind = ("folder" if stat.S_ISDIR(info.st_mode) else "pipe (FIFO)" if stat.S_ISFIFO(info.st_mode)
                     else "device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "socket or other")
             raise MaskError(f"{path} is a {kind}, not a regular file; a mask folder holds plain files only")
+        if one_link and info.st_nlink != 1:
+            raise MaskError(f"{path} has {info.st_nlink} hard links; leank publishes only files with one link "
+                            "(a hard link may be another file of yours, e.g. credentials): copy it in instead")
         if info.st_size > limit:
             raise MaskError(f"{path} is {info.st_size:,} bytes; a mask's {name} may hold at most {limit:,}")
         chunks, size = [], 0
@@ -167,7 +171,8 @@ def read_repo_files(folder: str | os.PathLike) -> dict[str, bytes]:
     a regular file inside the folder, bounded (:func:`file_limit`).
 
     A link among them is refused, not followed: a README.md linked to ``~/.aws/credentials`` would
-    otherwise be published as the card. So is a FIFO, a device or a folder of such a name.
+    otherwise be published as the card. So is a hard link (a file with more than one name: the same
+    credentials under another name), a FIFO, a device or a folder of such a name.
     """
     folder = Path(folder)
     try:
@@ -181,7 +186,7 @@ def read_repo_files(folder: str | os.PathLike) -> dict[str, bytes]:
         files: dict[str, bytes] = {}
         for name in names:
             try:
-                files[name] = _read_limited(dir_fd, folder, name, file_limit(name), follow=False)
+                files[name] = _read_limited(dir_fd, folder, name, file_limit(name), follow=False, one_link=True)
             except _Vanished:
                 raise MaskError(f"{folder / name} disappeared while it was read; try again") from None
         total = sum(map(len, files.values()))

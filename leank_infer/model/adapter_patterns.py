@@ -5,8 +5,9 @@ string is a regular expression, ``re.fullmatch``-ed against every module name) a
 ``modules_to_save``, ``layers_pattern`` and the ``rank_pattern``/``alpha_pattern`` keys into
 expressions of its own. ``re`` has no time limit: ``(.*.*)*y`` backtracks for hours on one module
 name. So a regular expression is matched here, with the ``regex`` package's timeout (transformers
-depends on it), and peft receives the list of module names it matched; the interpolated fields
-must be plain module names.
+depends on it), and peft receives the list of module names it matched (so too IA3's
+``feedforward_modules``, which peft ``re.fullmatch``-es the same way); the interpolated fields, and every
+``*_pattern`` field (their keys are matched by peft), must be plain module names.
 """
 
 from __future__ import annotations
@@ -49,18 +50,33 @@ def _resolve(pattern: str, names: list[str], field: str, seconds: float) -> set[
     return found
 
 
+# peft fields that are a regular expression when given as a string (``re.fullmatch`` against every module name):
+# matched here, bounded, and handed to peft as the set of names they matched
+REGEX_FIELDS = ("target_modules", "exclude_modules", "feedforward_modules")
+# peft fields it interpolates into expressions of its own (a dict: its keys): plain module names only
+PLAIN_FIELDS = ("modules_to_save", "layers_pattern", "target_parameters")
+
+
+def _plain_fields(config: Any) -> list[str]:
+    """:data:`PLAIN_FIELDS` and every ``*_pattern`` field of the config (``rank_pattern``, ``alpha_pattern``,
+    ``n_frequency_pattern``, ``block_size_pattern``, ``lambda_pattern``...: peft matches their keys)."""
+    names = set(PLAIN_FIELDS) | {n for n in vars(config) if n.endswith("_pattern")}
+    return sorted(names)
+
+
 def resolve_adapter_patterns(config: Any, module_names: list[str], seconds: float = MATCH_SECONDS) -> Any:
-    """``config`` (a peft config) with its expressions resolved: ``target_modules``/``exclude_modules`` given as a
-    string become the set of module names they match (within ``seconds`` each); the fields peft builds
-    expressions from must be plain names. Raises :class:`AdapterPatternError`."""
-    for field in ("target_modules", "exclude_modules"):
+    """``config`` (a peft config) with its expressions resolved: every :data:`REGEX_FIELDS` field given as a string
+    (LoRA's ``target_modules``, IA3's ``feedforward_modules``...) becomes the set of module names it matches
+    (within ``seconds`` each); the fields peft builds expressions from must be plain names. Raises
+    :class:`AdapterPatternError`."""
+    for field in REGEX_FIELDS:
         value = getattr(config, field, None)
         if isinstance(value, str) and value != ALL_LINEAR:
             matched = _resolve(value, module_names, field, seconds)
             if field == "target_modules" and not matched:
                 raise AdapterPatternError(f"target_modules {value[:80]!r} matches no module of the model")
             setattr(config, field, matched)
-    for field in ("modules_to_save", "layers_pattern", "rank_pattern", "alpha_pattern", "target_parameters"):
+    for field in _plain_fields(config):
         value = getattr(config, field, None)
         items = [value] if isinstance(value, str) else list(value or ())  # a dict: its keys
         bad = [str(v)[:80] for v in items if not isinstance(v, str) or not _PLAIN.fullmatch(v)]

@@ -76,29 +76,19 @@ def _sha256(path: Path) -> str:
 
 
 def _content_problem(folder: Path, names: list[str]) -> str | None:
-    """Whether the files ``names`` still hash to what :data:`COPY_HASHES` recorded (checked once per process);
-    a copy from before the record gets one now (it passed the size checks)."""
-    from ..folders.atomic import write_file
-
+    """Whether the files ``names`` still hash to what :data:`COPY_HASHES` recorded (checked once per process)."""
     record = folder / COPY_HASHES
-
-    def stamp() -> tuple[int, int]:
-        info = record.stat() if record.is_file() else None
-        return (info.st_ino, info.st_mtime_ns) if info else (0, 0)
-
-    if not record.is_file():  # a copy from before the record: it passed the size checks; hash it now
-        try:
-            write_file(record, json.dumps({n: _sha256(folder / n) for n in names}))
-        except OSError:  # a read-only cache: this process remembers that it looked
-            pass
-        _VERIFIED[folder] = stamp()
+    info = record.stat()
+    stamp = (info.st_ino, info.st_mtime_ns)
+    if _VERIFIED.get(folder) == stamp:
         return None
-    if _VERIFIED.get(folder) == stamp():
-        return None
-    for name, want in json.loads(record.read_text()).items():
+    hashes = json.loads(record.read_text())
+    if not isinstance(hashes, dict) or sorted(hashes) != sorted(names):
+        return f"{COPY_HASHES} does not name exactly the copy's files"
+    for name, want in hashes.items():
         if _sha256(folder / name) != want:
             return f"{name} does not hash to what was written (sha256 differs: its content changed)"
-    _VERIFIED[folder] = stamp()
+    _VERIFIED[folder] = stamp
     return None
 
 
@@ -107,38 +97,31 @@ def copy_problem(folder: Path) -> str | None:
 
     The copy is renamed into place only once complete, but a full disk, a copy made by hand or a
     damaged file can still leave one short; then it is rebuilt rather than failing on every run.
-    Each file must have the size the manifest records; copies made before the manifest existed get
-    cheap structural checks (safetensors exactly as long as their header says, JSON files that end).
+    Each file must have the size the manifest records and the SHA-256 the hash record holds, and the
+    folder must hold no other file. A copy without either record (an older leank's, or one copied with
+    ``cp dir/*``, which skips the hidden records) is rebuilt, never trusted as it is.
     """
-    import struct
-
     if not (folder / "config.json").is_file():
         return "no config.json"
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
+    if not sorted(folder.glob("*.safetensors")):
         return "no *.safetensors weights"
+    for record in (COPY_MANIFEST, COPY_HASHES):
+        if not (folder / record).is_file():
+            return f"no {record} (the record written with the copy): it cannot be verified"
     try:
-        if (folder / COPY_MANIFEST).is_file():
-            sizes = json.loads((folder / COPY_MANIFEST).read_text())
-            for name, size in sizes.items():
-                if (folder / name).stat().st_size != size:
-                    return f"{name} is {(folder / name).stat().st_size:,} bytes, {size:,} when it was written"
-            return _content_problem(folder, [n for n in sizes if n != COPY_HASHES])
-        for f in sorted(folder.glob("*.json")):
-            with open(f, "rb") as fh:
-                fh.seek(max(0, f.stat().st_size - 64))
-                if not fh.read().rstrip().endswith((b"}", b"]")):
-                    return f"{f.name} is cut short"
-        for f in weights:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            if f.stat().st_size != 8 + n + end:
-                return f"{f.name} is {f.stat().st_size:,} bytes, its header says {8 + n + end:,}"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
+        sizes = json.loads((folder / COPY_MANIFEST).read_text())
+        if not isinstance(sizes, dict):
+            return f"{COPY_MANIFEST} is not a record of file sizes"
+        files = sorted(p.name for p in folder.iterdir() if p.name not in (COPY_MANIFEST, COPY_HASHES))
+        extra = [n for n in files if n not in sizes]
+        if extra:
+            return f"{', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not among the files written"
+        for name, size in sizes.items():
+            if (folder / name).stat().st_size != size:
+                return f"{name} is {(folder / name).stat().st_size:,} bytes, {size:,} when it was written"
+        return _content_problem(folder, [n for n in sizes if n != COPY_HASHES])
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         return f"a file cannot be read: {e}"
-    return None
 
 
 def _embedded_copy(gguf: Path) -> Path:
@@ -382,7 +365,10 @@ def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -
     """Raise MaskError unless the base model's ``config`` with the mask's ``overrides`` still describes a model
     the base model's weights load into and the mask fits, checked before any weight is allocated.
 
-    Overrides may retune a model (YaRN's ``rope_parameters``), never reshape it: ``num_hidden_layers``
+    Overrides may extend the context a model reads (YaRN's ``rope_parameters``, ``max_position_embeddings``);
+    any other change to what it computes (``hidden_act``, ``rms_norm_eps``, ``rope_theta``,
+    ``tie_word_embeddings``) needs the mask's stated reason (:data:`~leank_infer.mask.fit.OVERRIDES_REASON` in its
+    ``extra``). They never reshape it: ``num_hidden_layers``
     300 would build a 4 GB model before the mask's shape check, ``vocab_size`` or ``hidden_size`` give
     weights the checkpoint cannot fill, an unknown ``hidden_act`` or 0 heads cannot be built, and
     ``return_dict``/``use_cache`` change what the model returns. The model is built on the meta device.
@@ -416,4 +402,13 @@ def check_overridden_config(mask: Any, config: Any, overrides: dict[str, Any]) -
             f"config_overrides {sorted(overrides)} change the shape of the base model's weights ({n}: "
             f"{before.get(n, 'absent')} -> {after.get(n, 'absent')}{f', and {len(differ) - 1} more' if len(differ) > 1 else ''}); "
             "the checkpoint cannot load into that model"
+        )
+    from ..mask.fit import OVERRIDES_REASON, computing_overrides, overrides_reason
+
+    computing = computing_overrides(config, overrides)
+    if computing and overrides_reason(mask) is None:
+        raise MaskError(
+            f"config_overrides {computing} change what the base model computes (not only the context it reads): "
+            f"a mask carries such overrides only with its reason, a non-empty extra.{OVERRIDES_REASON} "
+            "(e.g. the fine-tune it was learned on), so a changed model is never served silently"
         )

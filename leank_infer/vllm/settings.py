@@ -55,18 +55,33 @@ class LeanKSettings:
 
 
 def settings_from(additional_config: Any) -> LeanKSettings | None:
-    """The LeanK settings in vLLM's ``additional_config`` (or ``$LEANK_MASK``); None when LeanK is off."""
+    """The LeanK settings in vLLM's ``additional_config`` (or ``$LEANK_MASK``); None when LeanK is off.
+
+    LeanK is off only when no LeanK key is given and ``$LEANK_MASK`` is unset or empty. A ``leank_mask`` that is
+    given but names nothing (``""``, null, false, 0, ``[]``), a misspelt LeanK key (``leank-mask``,
+    ``LEANK_MASK``), or another LeanK setting without a mask is one clear error, never a dense engine: an
+    explicit ``leank_mask`` never falls back to ``$LEANK_MASK``."""
     cfg = additional_config if isinstance(additional_config, dict) else {}
-    unknown = sorted(k for k in cfg if isinstance(k, str) and k.startswith("leank_") and k not in _KEYS)
+    unknown = sorted(str(k) for k in cfg
+                     if isinstance(k, str) and k.lower().replace("-", "_").startswith("leank") and k not in _KEYS)
     if unknown:
-        raise MaskError(f"unknown LeanK setting(s) {unknown} in additional_config; known: {list(_KEYS)}")
-    mask = cfg.get(KEY_MASK) or os.environ.get(ENV_MASK) or None
+        raise MaskError(f"unknown LeanK setting(s) {unknown} in additional_config; known: {list(_KEYS)} "
+                        "(lower case, with underscores)")
+    if KEY_MASK in cfg:
+        mask = cfg[KEY_MASK]
+        if not isinstance(mask, str) or not mask.strip():
+            raise MaskError(
+                f"additional_config[{KEY_MASK!r}] is {mask!r}: give a mask folder or Hub repo id (a non-empty "
+                f"string), or leave the key out to serve without LeanK"
+            )
+    else:
+        mask = os.environ.get(ENV_MASK, "").strip() or None
     if mask is None:
+        given = [k for k in _KEYS if k in cfg]
+        if given:
+            raise MaskError(f"additional_config sets {given} but no {KEY_MASK!r} (nor ${ENV_MASK}): name the mask "
+                            "to serve with, or leave the LeanK settings out")
         return None
-    if not isinstance(mask, str):
-        raise MaskError(
-            f"additional_config[{KEY_MASK!r}] must be a folder or Hub repo id (string), got {mask!r}"
-        )
     revision = cfg.get(KEY_REVISION)
     if revision is not None and not isinstance(revision, str):
         raise MaskError(f"additional_config[{KEY_REVISION!r}] must be a string, got {revision!r}")
