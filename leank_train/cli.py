@@ -9,9 +9,11 @@ it here; ``leank run RECIPE --stage 1 --dump`` prints that config, which ``leank
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,43 @@ from .errors import RecipeError
 from .export import ExportMask
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: where Lightning's rank-zero info lines are logged (one name per package that re-binds it)
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero")
+#: a deprecation torch raises inside Lightning's own code (its LeafSpec use): nothing a leank user can act on
+LIGHTNING_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+class _Banners(logging.Filter):
+    """Drops Lightning's advertising ("💡 Tip: ... litlogger / litmodels") and, unless kept, its device lines."""
+
+    DEVICE = ("GPU available", "TPU available", "HPU available", "IPU available", "LOCAL_RANK")
+
+    def __init__(self, device_info: bool) -> None:
+        super().__init__()
+        self.device_info = device_info
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.getMessage())
+        return not (text.startswith("💡") or (not self.device_info and text.startswith(self.DEVICE)))
+
+
+@contextmanager
+def quiet_lightning(device_info: bool = False) -> Iterator[None]:
+    """Lightning inside a leank command without third-party banners: its tips, torch's deprecation warning from
+    Lightning's code and, unless ``device_info`` (training: which accelerator runs it), its device lines. Only
+    these messages, only while the command runs: the filters come off after it (other warnings still show)."""
+    banners = _Banners(device_info)
+    loggers = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS]
+    for log in loggers:
+        log.addFilter(banners)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=LIGHTNING_DEPRECATION, category=FutureWarning)
+            yield
+    finally:
+        for log in loggers:
+            log.removeFilter(banners)
 
 
 class LeanKCLI(LightningCLI):
@@ -85,7 +124,8 @@ def fit(argv: Sequence[str]) -> int:
     if not args or args[0] not in SUBCOMMANDS:
         args = ["fit", *args]
     check_config_args(args)  # a FIFO, an alias bomb or /etc/shadow as --config: one line, before jsonargparse reads it
-    run_cli(args)
+    with quiet_lightning(device_info=True):
+        run_cli(args)
     return 0
 
 

@@ -101,7 +101,9 @@ def _eval(args: SimpleNamespace, cmd: str) -> int:
                 read_eval_record(path)
     if args.plot:  # inside a mask folder only when --card takes it in (drawn elsewhere, copied by the swap)
         args.plot = output_file(args.plot, "--plot", ".png", carded=args.mask if args.card else ())
-    with staged(args.plot) as draw_to:
+    from .cli import quiet_lightning
+
+    with staged(args.plot) as draw_to, quiet_lightning():
         return _evaluate(args, cmd, draw_to)
 
 
