@@ -49,9 +49,14 @@ def _help() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items())
     return (
-        "usage: leank COMMAND [ARGS ...]   (leank COMMAND --help for its arguments)\n\n"
+        "usage: leank COMMAND [ARGS ...]   (leank COMMAND --help for its arguments and examples)\n\n"
         "LeanK: learned static K-channel masks for cheaper long-context decoding.\n\n"
-        f"commands:\n{rows}\n"
+        f"commands:\n{rows}\n\n"
+        "Options are --name value (--name-with-dashes works too), lists space-separated (--lengths 1024 2048).\n\n"
+        "examples:\n"
+        "  leank generate hub/smollm2-135m-instruct-s3 --prompt \"$(cat notes.txt) Summarise the notes.\" --chat\n"
+        "  leank eval hub/smollm2-135m-instruct-s3 --quick\n"
+        "  leank run recipes/smollm2-135m.yaml\n"
     )
 
 
@@ -126,7 +131,8 @@ def command_parser(func: Callable[..., Any], prog: str):
     recipe = next((p for p in params if dataclasses.is_dataclass(hints[p.name])), None)
     usage = None
     if recipe is not None:  # its YAML file comes first: `leank run RECIPE.yaml --key value ...`
-        flags = " ".join(f"[--{p.name}]" if hints[p.name] is bool else f"[--{p.name} {p.name.upper()}]"
+        flags = " ".join(f"[--{p.name}]" if hints[p.name] is bool else
+                         f"[--{p.name} {_choices(hints[p.name]).get('metavar', p.name.upper())}]"
                          for p in params if p is not recipe)
         usage = f"%(prog)s {recipe.name.upper()}.yaml {flags} [--KEY VALUE ...]"
     parser = ArgumentParser(prog=prog, description=textwrap.fill(description, 79), usage=usage,
@@ -141,9 +147,13 @@ def command_parser(func: Callable[..., Any], prog: str):
                                 help=f"{help_text} It comes first ({prog} {p.name.upper()}.yaml); every "
                                      "option below is one of its keys.")
             parser.add_class_arguments(hint, None)
+            lists = _dataclass_lists(hint)
             for action in parser._actions:  # given by the recipe file, or on the command line: not typed required
                 if action.required:
                     action.leank_recipe_key = True
+                if action.dest in lists:  # shown as the signatures' lists are: space-separated
+                    word = action.dest.rsplit(".", 1)[-1].upper()
+                    action.metavar = f"{word} [{word} ...]"
         elif hint is bool:
             parser.add_argument(f"--{p.name}", action=ActionYesNo, help=help_text, **default)
         elif (item := _list_item(hint)) is not None:
@@ -154,8 +164,17 @@ def command_parser(func: Callable[..., Any], prog: str):
         elif positional:
             parser.add_argument(p.name, type=hint, nargs="?" if default else None, help=help_text, **default)
         else:
-            parser.add_argument(f"--{p.name}", type=hint, required=not default, help=help_text, **default)
+            parser.add_argument(f"--{p.name}", type=hint, required=not default, help=help_text, **default,
+                                **_choices(hint))
     return parser
+
+
+def _choices(hint: Any) -> dict[str, str]:
+    """``metavar="{int8,int4}"`` for ``Literal[...] | None`` (argparse shows a plain Literal's choices itself)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+        return {"metavar": "{" + ",".join(map(str, typing.get_args(args[0]))) + "}"}
+    return {}
 
 
 def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> str:
@@ -227,7 +246,7 @@ def _lists(argv: Sequence[str], func: Callable[..., Any], prog: str) -> list[str
         i += 1
         name, eq, inline = arg.partition("=")
         key = name[2:] if name.startswith("--") else ""
-        item = spread.get(key, joined.get(key))
+        item = spread.get(key, joined.get(key.removesuffix("+")))  # `--key+ A B`: jsonargparse's append
         if item is None:
             out.append(arg)
             continue

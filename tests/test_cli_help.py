@@ -35,10 +35,16 @@ def help_line(parser, action) -> str:
     return parser._get_formatter()._get_help_string(action)
 
 
-def test_top_level_help_lists_every_command(capsys):
+def test_top_level_help_lists_every_command_and_its_examples_parse(capsys, monkeypatch):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(re.search(rf"^  {name}\s+\S", out, re.M) for name in cli.COMMANDS)
+    monkeypatch.chdir(ROOT)
+    examples = out.split("examples:\n", 1)[1].splitlines()
+    assert examples
+    for line in examples:
+        words = shlex.split(line)
+        cli.parse(cli._load(words[1]), words[2:], f"leank {words[1]}")
 
 
 @pytest.mark.parametrize("name", TYPED)
@@ -125,6 +131,9 @@ def test_lists_are_space_separated_everywhere_and_the_comma_form_is_deprecated(c
     assert cli.parse(bench, ["--batches", "[1,4]"], "leank bench")["batches"] == [1, 4]
     assert cli.parse(run, [str(RECIPE), "--evaluate.lengths", "[512,1024]"], "leank run")["recipe"].evaluate.lengths \
         == [512, 1024]
+    appended = cli.parse(run, [str(RECIPE), "--evaluate.lengths+", "4096", "8192", "--haystacks+", "x.txt"], "leank run")
+    assert appended["recipe"].evaluate.lengths == [1024, 2048, 4096, 8192]  # jsonargparse's append, several at once
+    assert appended["recipe"].haystacks[-1] == "x.txt"
     assert capsys.readouterr().err == ""
     # the older comma form: the same values, and a warning giving the new spelling
     assert cli.parse(bench, ["--contexts", "1024,2048", "--batches=1,4"], "leank bench")["contexts"] == [1024, 2048]
