@@ -109,7 +109,7 @@ def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
             args=args,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False},
+            parser_kwargs={"exit_on_error": False, "prog": "leank"},
             **kwargs,
         )
     except ArgumentError as e:  # a bad key or value: one line (the entry point prints it, exit code 2)
