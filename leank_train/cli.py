@@ -26,17 +26,19 @@ from .errors import RecipeError
 from .export import ExportMask
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
-#: where Lightning's rank-zero info lines are logged (one name per package that re-binds it)
+#: where Lightning logs its info lines (rank zero's, one name per package that re-binds it; the seed's)
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                     "lightning_utilities.core.rank_zero")
+                     "lightning_utilities.core.rank_zero", "lightning.fabric.utilities.seed")
 #: a deprecation torch raises inside Lightning's own code (its LeafSpec use): nothing a leank user can act on
 LIGHTNING_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 class _Banners(logging.Filter):
-    """Drops Lightning's advertising ("💡 Tip: ... litlogger / litmodels") and, unless kept, its device lines."""
+    """Drops Lightning's advertising ("💡 Tip: ... litlogger / litmodels") and, unless kept, its set-up lines (the
+    devices, the seed): a stage that trains says them once; a probe that only builds the trainer, or an evaluation,
+    says none."""
 
-    DEVICE = ("GPU available", "TPU available", "HPU available", "IPU available", "LOCAL_RANK")
+    DEVICE = ("GPU available", "TPU available", "HPU available", "IPU available", "LOCAL_RANK", "Seed set to")
 
     def __init__(self, device_info: bool) -> None:
         super().__init__()
@@ -102,16 +104,19 @@ def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
 
     # argv is given explicitly (leank's own entry point); Lightning warns when sys.argv also has words.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # no third-party banners; the device lines only when a stage runs (not for a probe that only builds it)
+    quiet = quiet_lightning(device_info=kwargs.get("run", True))
     try:
-        return LeanKCLI(
-            LeanKDistillation,
-            NeedleDataModule,
-            args=args,
-            auto_configure_optimizers=False,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, "prog": "leank"},
-            **kwargs,
-        )
+        with quiet:
+            return LeanKCLI(
+                LeanKDistillation,
+                NeedleDataModule,
+                args=args,
+                auto_configure_optimizers=False,
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"exit_on_error": False, "prog": "leank"},
+                **kwargs,
+            )
     except ArgumentError as e:  # a bad key or value: one line (the entry point prints it, exit code 2)
         raise RecipeError(one_line(e.message)) from None
 
@@ -124,8 +129,7 @@ def fit(argv: Sequence[str]) -> int:
     if not args or args[0] not in SUBCOMMANDS:
         args = ["fit", *args]
     check_config_args(args)  # a FIFO, an alias bomb or /etc/shadow as --config: one line, before jsonargparse reads it
-    with quiet_lightning(device_info=True):
-        run_cli(args)
+    run_cli(args)
     return 0
 
 

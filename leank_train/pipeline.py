@@ -130,7 +130,7 @@ def run_stage(
             raise RecipeError(f"checkpoint {last[-1]} is damaged ({damage}); delete it to run stage {stage} afresh "
                               "(or from an earlier checkpoint)")
         print(f"[leank run] stage {stage} resumes from {last[-1]}", flush=True)
-    with warnings.catch_warnings(), quiet_lightning(device_info=True):
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
         try:
             cli = run_cli(["fit", *args, "--checkpoint.dirpath", str(ckpt_dir), "--ckpt_path", "last"])

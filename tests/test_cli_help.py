@@ -194,3 +194,22 @@ def test_training_runs_with_lightnings_progress_bar():
     assert config["trainer"]["enable_progress_bar"] is True
     probe = run_cli(["--config", yaml.safe_dump(config)], run=False)  # built, nothing loaded or trained
     assert isinstance(probe.trainer.progress_bar_callback, ProgressBar)
+
+
+def test_leank_run_shows_each_stages_bar_and_no_third_party_banners(tmp_path):
+    """A tiny `leank run`: each stage prints Lightning's bar (steps, time left, it/s) and says its devices once;
+    no Lightning tip, and nothing from the trainer that is only built to resolve the config."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_faults import base_model, recipe
+
+    path = recipe(tmp_path / "r", base_model(tmp_path / "base"), {"trainer": {"enable_progress_bar": True}})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+    r = subprocess.run([sys.executable, "-m", "leank_infer.cli", "run", str(path)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for banner in ("Tip:", "💡", "litlogger", "litmodels", "FutureWarning"):
+        assert banner not in out, f"{banner!r} in the output of leank run:\n{out}"
+    assert out.count("GPU available") == 2 and out.count("Seed set to") == 2  # once per stage, not per probe
+    bars = re.findall(r"(\d+)/(\d+) \d+:\d\d:\d\d • \d+:\d\d:\d\d [\d.]+it/s|\| (\d+)/(\d+) \[\d\d:\d\d<\d\d:\d\d", out)
+    assert bars, out
