@@ -54,7 +54,7 @@ def _help() -> str:
         f"commands:\n{rows}\n\n"
         "Options are --name value (--name-with-dashes works too), lists space-separated (--lengths 1024 2048).\n\n"
         "examples:\n"
-        "  leank generate hub/smollm2-135m-instruct-s3 --prompt \"$(cat notes.txt) Summarise the notes.\" --chat\n"
+        "  leank generate hub/smollm2-135m-instruct-s3 --prompt \"$(cat README.md) What does LeanK prune?\" --chat\n"
         "  leank eval hub/smollm2-135m-instruct-s3 --quick\n"
         "  leank run recipes/smollm2-135m.yaml\n"
     )

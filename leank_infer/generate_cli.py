@@ -52,7 +52,7 @@ def generate(
     """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
 
     Examples:
-        leank generate hub/smollm2-135m-instruct-s3 --prompt "$(cat notes.txt) Summarise the notes." --chat
+        leank generate hub/smollm2-135m-instruct-s3 --prompt "$(cat README.md) What does LeanK prune?" --chat
         leank generate hub/smollm2-135m-instruct-s3 --prompt "Hello" --max_new_tokens 16 --kv_quant int8
 
     Args:

@@ -19,8 +19,8 @@ def push(
     """Upload a mask repo folder (mask, config, card, plot) to the Hub in one commit.
 
     Examples:
-        leank push runs/smollm2-135m/mask your-name/smollm2-135m-leank
-        leank push runs/smollm2-135m/mask your-name/smollm2-135m-leank --revision v2 --private
+        leank push runs/mine/mask your-name/smollm2-135m-leank      # the mask leank run --out_dir runs/mine made
+        leank push runs/mine/mask your-name/smollm2-135m-leank --revision v2 --private
 
     Args:
         folder: mask repo folder: mask.safetensors, config.json, README.md, pattern.png.

@@ -67,7 +67,7 @@ def eval_command(
     Examples:
         leank eval hub/smollm2-135m-instruct-s3 --quick      # smoke test: about 4 min of one CPU core
         leank eval hub/smollm2-135m-instruct-s3 --lengths 1024 2048 --samples 25 --json runs/eval.json
-        leank eval runs/r50/mask runs/r60/mask hub/smollm2-135m-instruct-s3 --lengths 1024   # a ratio sweep
+        leank eval hub/smollm2-135m-instruct-s3 hub/smollm2-135m-instruct-r80-s3 --lengths 1024   # a ratio sweep
 
     Args:
         mask: mask repo folder or Hub id; several masks of one base model = a ratio sweep (LeanK only).
