@@ -10,7 +10,7 @@ Under ``--rule positional`` the prompt attends by the mask too: the LeanK cache 
 LeanK model (batch 1, then its row repeated), and decodes from the dense prefill's next token as well.
 Example:
 
-    leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new-tokens 16
+    leank bench hub/smollm2-135m-instruct --contexts 2048 --batches 1 --new_tokens 16
     leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
     leank bench hub/llama-3.1-8b-instruct --capacity 80                   # largest batch on an 80 GiB GPU
 """
@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from .cli_types import Fraction, PositiveInt, PositiveIntList, UsageError, output_file, staged
+from .cli_types import Fraction, PositiveInt, UsageError, output_file, staged
 from .decode.cache import dynamic_cache_bytes, fill_from_prefill
 from .decode.rule import DENSE_PREFILL, POSITIONAL, RULES
 from .mask import ChannelMask, model_positions, model_shape
@@ -180,8 +180,8 @@ def _run(model, ids: torch.Tensor, cache, new_tokens: int, clock_name: str = "wa
 def bench(
     mask: str | None = None,
     *,
-    contexts: PositiveIntList = [2048, 4096, 8160],  # noqa: B006 (read only; shown in --help; 8160 + 32 new = 8192)
-    batches: PositiveIntList = [1, 4],  # noqa: B006
+    contexts: list[PositiveInt] = [2048, 4096, 8160],  # noqa: B006 (read only; shown in --help; 8160 + 32 new = 8192)
+    batches: list[PositiveInt] = [1, 4],  # noqa: B006
     new_tokens: PositiveInt = 32,
     dtype: Literal["float32", "bfloat16", "float16"] | None = None,
     device: str = "cpu",
@@ -196,15 +196,20 @@ def bench(
     card: bool = False,
     ratio: Fraction = 0.7,
     zero_heads: Fraction = 0.0,
-    capacity: str | None = None,
+    capacity: list[float] | None = None,
     weights_gib: float | None = None,
 ) -> int:
     """Decode ms/step, tokens/s and KV bytes, dense vs LeanK, on the mask's base model.
 
+    Examples:
+        leank bench hub/smollm2-135m-instruct --contexts 2048 4096 --batches 1 4 --new_tokens 16
+        leank bench --estimate meta-llama/Llama-3.1-8B-Instruct --ratio 0.7   # bytes only, no weights
+        leank bench hub/llama-3.1-8b-instruct --capacity 80 141               # largest batch on 80/141 GiB GPUs
+
     Args:
         mask: mask folder or Hub id (default: hub/smollm2-135m-instruct if present, else a random mask).
-        contexts: comma-separated prompt lengths.
-        batches: comma-separated batch sizes.
+        contexts: prompt lengths in tokens.
+        batches: batch sizes.
         new_tokens: tokens generated per run (>= 3).
         dtype: default: float32 on CPU, bfloat16 on CUDA.
         device: cpu, or cuda (LeanK then decodes with the Triton kernel).
@@ -223,7 +228,7 @@ def bench(
         card: with --plot and a mask folder: put the figure (and this command) in the mask's model card.
         ratio: with --estimate: fraction of K channels pruned.
         zero_heads: with --estimate: fraction of KV heads keeping no channel (the paper saw 0.16-0.18).
-        capacity: GIB[,GIB]: only print, for the mask and these GPU memory sizes, KV GiB per sequence and the
+        capacity: GIB [GIB ...]: only print, for the mask and these GPU memory sizes, KV GiB per sequence and the
             largest batch at 4k/32k/128k tokens, dense vs LeanK (bf16 unless --dtype; see leank_infer.mask.capacity).
         weights_gib: with --capacity: GiB of model weights (default: the mask's recorded base-model size).
     """
@@ -236,8 +241,7 @@ def bench(
         from .mask.capacity import capacity_main
 
         try:
-            gibs = [float(x) for x in capacity.split(",")]
-            return capacity_main(mask or str(DEFAULT_MASK), gibs, weights_gib, DTYPES[dtype or "bfloat16"], command)
+            return capacity_main(mask or str(DEFAULT_MASK), capacity, weights_gib, DTYPES[dtype or "bfloat16"], command)
         except ValueError as e:  # MaskError included
             raise UsageError(f"--capacity: {' '.join(str(e).split())}") from None
     try:

@@ -2,8 +2,11 @@
 
 Every subcommand is a function whose signature is its command line (jsonargparse builds the parser):
 parameters before ``*`` are positional, the others ``--name`` options (``--name-with-dashes`` is accepted
-too), ``bool`` ones flags (``--card`` / ``--no_card``), ``list`` ones take several values; a dataclass
-parameter is a YAML file of its fields (``leank run RECIPE``, any field overridable as ``--key value``).
+too), ``bool`` ones flags (``--card`` / ``--no_card``), ``list`` ones take several values, space-separated
+(``--lengths 1024 2048``; jsonargparse's ``[1024,2048]`` works too; the older comma form ``1024,2048`` still
+parses, with a deprecation warning); a dataclass parameter is a YAML file of its fields (``leank run RECIPE.yaml``,
+any field overridable as ``--key value``, its lists the same way). A docstring's ``Args:`` are the options'
+help and its ``Examples:`` the help's last lines.
 ``fit`` is LightningCLI itself (jsonargparse too). The function module is imported only when its command
 runs, so ``leank --help`` is instant and the inference commands work without the training extra.
 
@@ -19,6 +22,7 @@ import inspect
 import os
 import re
 import sys
+import textwrap
 import typing
 from collections.abc import Callable, Sequence
 from pickle import UnpicklingError  # the exception only: checkpoints are read weights-only
@@ -45,9 +49,14 @@ def _help() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items())
     return (
-        "usage: leank COMMAND [ARGS ...]   (leank COMMAND --help for its arguments)\n\n"
+        "usage: leank COMMAND [ARGS ...]   (leank COMMAND --help for its arguments and examples)\n\n"
         "LeanK: learned static K-channel masks for cheaper long-context decoding.\n\n"
-        f"commands:\n{rows}\n"
+        f"commands:\n{rows}\n\n"
+        "Options are --name value (--name-with-dashes works too), lists space-separated (--lengths 1024 2048).\n\n"
+        "examples:\n"
+        "  leank generate hub/smollm2-135m-instruct-s3 --prompt \"$(cat README.md) What does LeanK prune?\" --chat\n"
+        "  leank eval hub/smollm2-135m-instruct-s3 --quick\n"
+        "  leank run recipes/smollm2-135m.yaml\n"
     )
 
 
@@ -66,16 +75,38 @@ def _load(name: str) -> Callable[..., Any]:
 
 
 # ---- the parser of a typed function ------------------------------------------------------------------------
-def _docs(func: Callable[..., Any]) -> tuple[str, dict[str, str]]:
-    """(description, parameter help) from a Google-style docstring."""
+def _docs(func: Callable[..., Any]) -> tuple[str, dict[str, str], str]:
+    """(description, parameter help, examples) from a Google-style docstring."""
     doc = inspect.getdoc(func) or ""
     description = doc.split("\n\n")[0].replace("\n", " ")
     params: dict[str, str] = {}
-    block = re.split(r"\n\s*Args:\s*\n", doc, maxsplit=1)
-    if len(block) == 2:
-        for m in re.finditer(r"^\s{4}(\w+):\s*(.*(?:\n\s{8,}.*)*)", block[1], re.M):
-            params[m.group(1)] = " ".join(m.group(2).split())
-    return description, params
+    examples = ""
+    sections = re.split(r"\n\s*(Args|Examples):\s*\n", doc)
+    for title, body in zip(sections[1::2], sections[2::2], strict=True):
+        body = re.split(r"\n(?=\S)", body, maxsplit=1)[0]  # up to the next unindented line
+        if title == "Args":
+            for m in re.finditer(r"^\s{4}(\w+):\s*(.*(?:\n\s{8,}.*)*)", body, re.M):
+                params[m.group(1)] = " ".join(m.group(2).split())
+        else:
+            examples = textwrap.dedent(body).strip("\n")
+    return description, params, examples
+
+
+def _help_formatter() -> type:
+    """jsonargparse's help formatter, keeping the examples' lines as written, and saying of a recipe key with no
+    default that the recipe sets it (jsonargparse would mark it required, as if it had to be typed)."""
+    from argparse import RawDescriptionHelpFormatter
+
+    from jsonargparse import DefaultHelpFormatter
+
+    class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+        def _get_help_string(self, action: Any) -> str:
+            text = super()._get_help_string(action)
+            if getattr(action, "leank_recipe_key", False):
+                text = text.replace("(required, ", "(no default: the recipe sets it; ", 1)
+            return text
+
+    return HelpFormatter
 
 
 def _list_item(hint: Any) -> Any | None:
@@ -94,16 +125,35 @@ def command_parser(func: Callable[..., Any], prog: str):
     from .cli_types import register
 
     register()
-    description, docs = _docs(func)
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
+    description, docs, examples = _docs(func)
     hints = typing.get_type_hints(func)
-    for p in inspect.signature(func).parameters.values():
+    params = list(inspect.signature(func).parameters.values())
+    recipe = next((p for p in params if dataclasses.is_dataclass(hints[p.name])), None)
+    usage = None
+    if recipe is not None:  # its YAML file comes first: `leank run RECIPE.yaml --key value ...`
+        flags = " ".join(f"[--{p.name}]" if hints[p.name] is bool else
+                         f"[--{p.name} {_choices(hints[p.name]).get('metavar', p.name.upper())}]"
+                         for p in params if p is not recipe)
+        usage = f"%(prog)s {recipe.name.upper()}.yaml {flags} [--KEY VALUE ...]"
+    parser = ArgumentParser(prog=prog, description=textwrap.fill(description, 79), usage=usage,
+                            epilog=f"examples:\n{textwrap.indent(examples, '  ')}" if examples else None,
+                            formatter_class=_help_formatter(), exit_on_error=False)
+    for p in params:
         hint, help_text = hints[p.name], docs.get(p.name)
         positional = p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         default = {} if p.default is inspect.Parameter.empty else {"default": p.default}
-        if dataclasses.is_dataclass(hint):
-            parser.add_argument("--config", action=ActionConfigFile, help=f"{help_text} (a YAML file)")
+        if p is recipe:
+            parser.add_argument("--config", action=ActionConfigFile, metavar=f"{p.name.upper()}.yaml",
+                                help=f"{help_text} It comes first ({prog} {p.name.upper()}.yaml); every "
+                                     "option below is one of its keys.")
             parser.add_class_arguments(hint, None)
+            lists = _dataclass_lists(hint)
+            for action in parser._actions:  # given by the recipe file, or on the command line: not typed required
+                if action.required:
+                    action.leank_recipe_key = True
+                if action.dest in lists:  # shown as the signatures' lists are: space-separated
+                    word = action.dest.rsplit(".", 1)[-1].upper()
+                    action.metavar = f"{word} [{word} ...]"
         elif hint is bool:
             parser.add_argument(f"--{p.name}", action=ActionYesNo, help=help_text, **default)
         elif (item := _list_item(hint)) is not None:
@@ -114,15 +164,22 @@ def command_parser(func: Callable[..., Any], prog: str):
         elif positional:
             parser.add_argument(p.name, type=hint, nargs="?" if default else None, help=help_text, **default)
         else:
-            parser.add_argument(f"--{p.name}", type=hint, required=not default, help=help_text, **default)
+            parser.add_argument(f"--{p.name}", type=hint, required=not default, help=help_text, **default,
+                                **_choices(hint))
     return parser
+
+
+def _choices(hint: Any) -> dict[str, str]:
+    """``metavar="{int8,int4}"`` for ``Literal[...] | None`` (argparse shows a plain Literal's choices itself)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+        return {"metavar": "{" + ",".join(map(str, typing.get_args(args[0]))) + "}"}
+    return {}
 
 
 def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> str:
     """The command line that calls ``func`` with ``values`` (defaults left out): printed with results."""
     import shlex
-
-    from .cli_types import PositiveIntList
 
     hints = typing.get_type_hints(func)
     words: list[str] = []
@@ -135,9 +192,8 @@ def invocation(prog: str, func: Callable[..., Any], values: dict[str, Any]) -> s
         if hints[p.name] is bool:
             words.append(f"--{p.name}" if value else f"--no_{p.name}")
             continue
-        if hints[p.name] is PositiveIntList:
-            value = ",".join(map(str, value))
-        items = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+        items = [f"{v:g}" if isinstance(v, float) else str(v)
+                 for v in (value if isinstance(value, list | tuple) else [value])]
         words += (items if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else [f"--{p.name}", *items])
     return " ".join([prog, *(shlex.quote(w) for w in words)])
 
@@ -149,6 +205,89 @@ def _dashes_to_underscores(argv: Sequence[str]) -> list[str]:
         m = re.match(r"^(--[A-Za-z][\w.-]*)(=.*)?$", arg, re.S)
         out.append(m.group(1).replace("-", "_").replace("__", "--", 1) + (m.group(2) or "") if m else arg)
     return out
+
+
+_OPTION_WORD = re.compile(r"^-[A-Za-z-]")  # an option (``-5`` is a value: a negative number)
+
+
+def _dataclass_lists(cls: type, prefix: str = "") -> dict[str, Any]:
+    """The list-typed keys of a dataclass (nested ones dotted) -> their item type."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_dataclass_lists(hints[f.name], f"{prefix}{f.name}."))
+        elif (item := _list_item(hints[f.name])) is not None:
+            out[prefix + f.name] = item
+    return out
+
+
+def _lists(argv: Sequence[str], func: Callable[..., Any], prog: str) -> list[str]:
+    """One list syntax for every command: ``--key A B C`` (jsonargparse's ``[A,B,C]`` too). A signature's list
+    option takes the words as they are (argparse's ``nargs``); a recipe key (jsonargparse's list type, one value)
+    takes them as one JSON list. The older comma form ``A,B,C`` of a number list still parses, with a warning."""
+    import json
+
+    import yaml
+
+    hints = typing.get_type_hints(func)
+    spread: dict[str, Any] = {}  # option -> item type
+    joined: dict[str, Any] = {}
+    for p in inspect.signature(func).parameters.values():
+        hint = hints[p.name]
+        if dataclasses.is_dataclass(hint):
+            joined.update(_dataclass_lists(hint))
+        elif p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and (item := _list_item(hint)) is not None:
+            spread[p.name] = item
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        name, eq, inline = arg.partition("=")
+        key = name[2:] if name.startswith("--") else ""
+        item = spread.get(key, joined.get(key.removesuffix("+")))  # `--key+ A B`: jsonargparse's append
+        if item is None:
+            out.append(arg)
+            continue
+        words = [inline] if eq else []
+        while not eq and i < len(argv) and not _OPTION_WORD.match(argv[i]):
+            words.append(argv[i])
+            i += 1
+        numbers = isinstance(item, type) and issubclass(item, int | float) and item is not bool
+        values: list[str] = []
+        for word in words:
+            if word.startswith("[") and word.endswith("]"):  # jsonargparse's form
+                if key in joined:
+                    values.append(word)
+                    continue
+                try:
+                    loaded = yaml.safe_load(word)
+                except yaml.YAMLError:
+                    loaded = None
+                values += [str(v) for v in loaded] if isinstance(loaded, list) else [word]
+            elif numbers and "," in word:
+                parts = [w for w in word.split(",") if w]
+                print(f"{prog}: warning: {name} {word}: comma-separated lists are deprecated; give the values "
+                      f"space-separated: {name} {' '.join(parts)}", file=sys.stderr, flush=True)
+                values += parts
+            else:
+                values.append(word)
+        if key in spread or not values or (len(values) == 1 and values[0].startswith("[")) or values == ["null"]:
+            out += [name, *values]
+            continue
+        out += [name, json.dumps([w if item is str else _yaml_scalar(w) for w in values])]
+    return out
+
+
+def _yaml_scalar(word: str) -> Any:
+    """A command-line word as the YAML value it spells (``1024`` -> 1024), else the word itself."""
+    import yaml
+
+    try:
+        return yaml.safe_load(word)
+    except yaml.YAMLError:
+        return word
 
 
 def one_line(message: str) -> str:
@@ -185,11 +324,12 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     """``func``'s keyword arguments from the command line ``argv`` (a bad one: UsageError)."""
     from argparse import ArgumentError
 
-    argv = _dashes_to_underscores(argv)
+    argv = _lists(_dashes_to_underscores(argv), func, prog)
     params = inspect.signature(func).parameters
     hints = typing.get_type_hints(func)
     recipe = next((p for p in params.values() if dataclasses.is_dataclass(hints[p.name])), None)
-    if recipe is not None and argv and not argv[0].startswith("-"):
+    recipe_file = argv[0] if recipe is not None and argv and not argv[0].startswith("-") else None
+    if recipe_file is not None:
         from .cli_types import check_config_files
 
         check_config_files(argv[0])  # a missing, binary, FIFO or non-mapping file: one clear error naming it
@@ -201,7 +341,14 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as e:
-        raise UsageError(one_line(e.message if hasattr(e, "message") else e)) from None
+        message = one_line(e.message if hasattr(e, "message") else e)
+        missing = re.match(r"the following arguments are required: (.*)", message)
+        if recipe is not None and missing:  # keys with no default that neither the file nor the command line set
+            where = f"the recipe {recipe_file}" if recipe_file else "no recipe given; the command line"
+            keys = missing.group(1).split(", ")
+            raise UsageError(f"{where} sets no {', '.join(keys)}: set {'them' if len(keys) > 1 else 'it'} in the "
+                             f"recipe, or as --{keys[0]} VALUE (usage: {prog} RECIPE.yaml [--KEY VALUE ...])") from None
+        raise UsageError(message) from None
     values = cfg.as_dict()
     kwargs: dict[str, Any] = {}
     for p in params.values():

@@ -25,10 +25,6 @@ class PositiveInt(int):
     """An integer >= 1 (lengths, counts, batch sizes, threads)."""
 
 
-class PositiveIntList(list):
-    """``"2048,4096"``: comma-separated integers >= 1."""
-
-
 class Fraction(float):
     """A number in [0, 1]."""
 
@@ -42,17 +38,6 @@ def positive_int(value: Any) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
-
-
-def positive_int_list(value: Any) -> list[int]:
-    """``"2048,4096"``: comma-separated integers >= 1."""
-    if isinstance(value, list):
-        value = ",".join(map(str, value))
-    value = str(value)
-    try:
-        return [positive_int(x) for x in value.split(",")]
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{value!r}: {e} (give comma-separated integers >= 1)") from None
 
 
 def fraction(value: Any) -> float:
@@ -260,6 +245,5 @@ def register() -> None:
     from jsonargparse.typing import register_type
 
     register_type(PositiveInt, int, _checked(positive_int))
-    register_type(PositiveIntList, lambda v: ",".join(map(str, v)), _checked(positive_int_list))
     register_type(Fraction, float, _checked(fraction))
     _REGISTERED = True

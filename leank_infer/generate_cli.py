@@ -52,9 +52,14 @@ def generate(
 ) -> int:
     """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
 
+    Examples:
+        leank generate hub/smollm2-135m-instruct-s3 --prompt "$(cat README.md) What does LeanK prune?" --chat
+        leank generate hub/smollm2-135m-instruct-s3 --prompt "Hello" --max_new_tokens 16 --kv_quant int8
+
     Args:
         mask: mask folder (e.g. hub/smollm2-135m-instruct) or Hub repo id.
-        prompt: the text to answer.
+        prompt: the text to answer; LeanK prunes only past the mask's sink_size + recent_size tokens (the first
+            line printed says both), so a shorter prompt keeps every channel.
         max_new_tokens: tokens to generate.
         chat: wrap the prompt in the tokenizer's chat template.
         revision: mask repo revision (Hub).

@@ -18,6 +18,10 @@ def push(
 ) -> int:
     """Upload a mask repo folder (mask, config, card, plot) to the Hub in one commit.
 
+    Examples:
+        leank push runs/mine/mask your-name/smollm2-135m-leank      # the mask leank run --out_dir runs/mine made
+        leank push runs/mine/mask your-name/smollm2-135m-leank --revision v2 --private
+
     Args:
         folder: mask repo folder: mask.safetensors, config.json, README.md, pattern.png.
         repo_id: Hub model repo (owner/name), created if missing.
@@ -52,6 +56,10 @@ def push(
 
 def pull(repo_id: str, *, revision: str | None = None, cache_dir: str | None = None) -> int:
     """Download a mask repo into the Hub cache (or find it there); print its folder and the mask.
+
+    Examples:
+        leank pull your-name/smollm2-135m-leank
+        leank pull your-name/smollm2-135m-leank --revision v2
 
     Args:
         repo_id: Hub model repo (owner/name).

@@ -9,9 +9,11 @@ it here; ``leank run RECIPE --stage 1 --dump`` prints that config, which ``leank
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,45 @@ from .errors import RecipeError
 from .export import ExportMask
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: where Lightning logs its info lines (rank zero's, one name per package that re-binds it; the seed's)
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero", "lightning.fabric.utilities.seed")
+#: a deprecation torch raises inside Lightning's own code (its LeafSpec use): nothing a leank user can act on
+LIGHTNING_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+class _Banners(logging.Filter):
+    """Drops Lightning's advertising ("💡 Tip: ... litlogger / litmodels") and, unless kept, its set-up lines (the
+    devices, the seed): a stage that trains says them once; a probe that only builds the trainer, or an evaluation,
+    says none."""
+
+    DEVICE = ("GPU available", "TPU available", "HPU available", "IPU available", "LOCAL_RANK", "Seed set to")
+
+    def __init__(self, device_info: bool) -> None:
+        super().__init__()
+        self.device_info = device_info
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.getMessage())
+        return not (text.startswith("💡") or (not self.device_info and text.startswith(self.DEVICE)))
+
+
+@contextmanager
+def quiet_lightning(device_info: bool = False) -> Iterator[None]:
+    """Lightning inside a leank command without third-party banners: its tips, torch's deprecation warning from
+    Lightning's code and, unless ``device_info`` (training: which accelerator runs it), its device lines. Only
+    these messages, only while the command runs: the filters come off after it (other warnings still show)."""
+    banners = _Banners(device_info)
+    loggers = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS]
+    for log in loggers:
+        log.addFilter(banners)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=LIGHTNING_DEPRECATION, category=FutureWarning)
+            yield
+    finally:
+        for log in loggers:
+            log.removeFilter(banners)
 
 
 class LeanKCLI(LightningCLI):
@@ -63,16 +104,19 @@ def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
 
     # argv is given explicitly (leank's own entry point); Lightning warns when sys.argv also has words.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # no third-party banners; the device lines only when a stage runs (not for a probe that only builds it)
+    quiet = quiet_lightning(device_info=kwargs.get("run", True))
     try:
-        return LeanKCLI(
-            LeanKDistillation,
-            NeedleDataModule,
-            args=args,
-            auto_configure_optimizers=False,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False},
-            **kwargs,
-        )
+        with quiet:
+            return LeanKCLI(
+                LeanKDistillation,
+                NeedleDataModule,
+                args=args,
+                auto_configure_optimizers=False,
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"exit_on_error": False, "prog": "leank"},
+                **kwargs,
+            )
     except ArgumentError as e:  # a bad key or value: one line (the entry point prints it, exit code 2)
         raise RecipeError(one_line(e.message)) from None
 

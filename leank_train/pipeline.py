@@ -36,7 +36,7 @@ from leank_infer.folders.atomic import write_file
 from leank_infer.hub.publish import push_folder
 from leank_infer.mask import MASK_FILE, ChannelMask, MaskError, check_mask_target
 
-from .cli import run_cli
+from .cli import quiet_lightning, run_cli
 from .compare import MaskSnapshot, format_comparison, read_reference
 from .errors import RecipeError
 from .evaluate import EvalSettings, card_results, evaluate, format_table
@@ -190,8 +190,16 @@ def recipe_text(recipe: Recipe) -> str:
 def run(recipe: Recipe, *, stage: Literal[1, 2] | None = None, quick: bool = False, dump: bool = False) -> int:
     """Train a recipe: stage 1, stage 2, export, evaluation into the model card (resumes when rerun).
 
+    Lightning's progress bar shows each stage's steps, its speed and the time left.
+
+    Examples:
+        leank run recipes/smollm2-135m.yaml                    # both stages, export, evaluation
+        leank run recipes/smollm2-135m.yaml --out_dir runs/mine --stage2.steps 80
+        leank run recipes/smollm2-135m.yaml --evaluate.lengths 1024 2048 --quick
+        leank run recipes/smollm2-135m.yaml --stage 1 --dump   # print stage 1's LightningCLI config, run nothing
+
     Args:
-        recipe: the recipe (recipes/*.yaml); any key can follow as --key value.
+        recipe: the recipe file, e.g. recipes/smollm2-135m.yaml.
         stage: run only this stage (stage 2 starts from the scores in stage1_dir).
         quick: evaluate in the smoke-test mode of ``leank eval --quick``.
         dump: print the stages' LightningCLI fit configs (what ``leank fit --config`` takes) and stop.
@@ -263,7 +271,8 @@ def _evaluate_into_card(out_dir: str, settings: EvalSettings) -> None:
     start = time.perf_counter()
     lm = LeanKModel.from_pretrained(out_dir)
     run = settings.resolved()
-    res = evaluate(lm, run.lengths, run.samples, methods=run.methods, seed=run.seed, kl=run.kl, tasks=run.tasks)
+    with quiet_lightning():
+        res = evaluate(lm, run.lengths, run.samples, methods=run.methods, seed=run.seed, kl=run.kl, tasks=run.tasks)
     command = settings.command(out_dir)
     write_model_card(out_dir, card_results(res, command))
     print(f"[leank run] evaluation ({time.perf_counter() - start:.0f} s): `{command}`\n{format_table(res)}",

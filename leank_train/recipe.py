@@ -24,18 +24,16 @@ LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "csv"), ("lightning.pytorch.lo
 
 @dataclass
 class Stage:
-    """What one training stage sets for itself; everything else in a recipe is shared by both stages.
+    """Stage 1: continuous alpha with an L1 pull towards 0 (what every stage sets for itself; everything else in
+    a recipe is shared by both stages).
 
     Args:
         steps: optimiser steps (``trainer.max_steps``).
         lr: peak learning rate of alpha.
-        reg_weight: L1 weight on alpha (stage 1 pushes scalers to 0 with it; stage 2 uses 0).
-        num_samples: prompts per epoch (more than the steps: every step sees a new prompt).
+        reg_weight: L1 weight on alpha: it pushes the scalers of unneeded channels to 0.
+        num_samples: prompts per epoch (at least the steps: every step sees a new prompt).
         seed: the data seed: same seed, same prompts.
         warmup_steps: linear warmup steps (null: the recipe's ``warmup_steps``).
-        ratio_start: stage 2: binarise at this ratio first and anneal to ``ratio`` (null: no anneal).
-        ratio_anneal_steps: stage 2: steps of that anneal.
-        min_kept: stage 2: a head keeping fewer channels keeps none (whole-head pruning; 0 = plain rounding).
         trainer: further Lightning ``Trainer`` arguments for this stage only (e.g. ``callbacks``).
     """
 
@@ -45,10 +43,29 @@ class Stage:
     num_samples: int
     seed: int = 0
     warmup_steps: int | None = None
+    trainer: dict = field(default_factory=dict)
+
+
+@dataclass
+class Stage2(Stage):
+    """Stage 2: alpha binarised at the target ratio, trained through a straight-through gradient.
+
+    Args:
+        steps: optimiser steps (``trainer.max_steps``).
+        lr: peak learning rate of alpha.
+        reg_weight: L1 weight on alpha (0 in every shipped recipe: the binarisation sets the ratio).
+        num_samples: prompts per epoch (at least the steps: every step sees a new prompt).
+        seed: the data seed: same seed, same prompts (give it another seed than stage 1's).
+        warmup_steps: linear warmup steps (null: the recipe's ``warmup_steps``).
+        trainer: further Lightning ``Trainer`` arguments for this stage only (e.g. ``callbacks``).
+        ratio_start: binarise at this ratio first and anneal to ``ratio`` (null: no anneal).
+        ratio_anneal_steps: steps of that anneal.
+        min_kept: a head keeping fewer channels keeps none (whole-head pruning; 0 = plain rounding).
+    """
+
     ratio_start: float | None = None
     ratio_anneal_steps: int = 0
     min_kept: int = 0
-    trainer: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +115,7 @@ class Recipe:
     out_dir: str
     base_model: str
     stage1: Stage
-    stage2: Stage
+    stage2: Stage2
     revision: str | None = None
     loader: dict[str, Any] | None = None
     adapter: str | None = None
@@ -171,8 +188,9 @@ def stage_config(recipe: Recipe, stage: Literal[1, 2], recipe_text: str | None =
             "sink_size": recipe.sink_size, "recent_size": recipe.recent_size, "ratio": recipe.ratio,
             "align": recipe.align, "lr": st.lr, "reg_weight": st.reg_weight,
             "warmup_steps": recipe.warmup_steps if st.warmup_steps is None else st.warmup_steps,
-            "min_lr_ratio": recipe.min_lr_ratio, "ratio_start": st.ratio_start,
-            "ratio_anneal_steps": st.ratio_anneal_steps, "min_kept": st.min_kept,
+            # stage 1 has no binarisation: its config keeps these keys at their "off" values
+            "min_lr_ratio": recipe.min_lr_ratio, "ratio_start": getattr(st, "ratio_start", None),
+            "ratio_anneal_steps": getattr(st, "ratio_anneal_steps", 0), "min_kept": getattr(st, "min_kept", 0),
             "activation_checkpointing": recipe.activation_checkpointing,
             "config_overrides": recipe.config_overrides,
             "student_rule": recipe.student_rule, "accumu_size": recipe.accumu_size,

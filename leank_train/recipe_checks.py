@@ -14,7 +14,7 @@ from typing import Any
 from leank_infer.mask.format import MAX_TOKENS
 
 from .errors import RecipeError
-from .recipe import Recipe, Stage
+from .recipe import Recipe, Stage, Stage2
 
 
 def _integer(value: Any, low: int, high: int = MAX_TOKENS) -> str | None:
@@ -39,9 +39,12 @@ def _stage_problems(name: str, st: Stage) -> list[str]:
         "lr": _number(st.lr, 0.0, math.inf) or (None if st.lr > 0 else f"must be above 0, got {st.lr}"),
         "reg_weight": _number(st.reg_weight, 0.0, math.inf), "seed": _integer(st.seed, 0, 2**32 - 1),
         "warmup_steps": None if st.warmup_steps is None else _integer(st.warmup_steps, 0),
-        "ratio_start": None if st.ratio_start is None else _number(st.ratio_start, 0.0, 1.0, open_high=True),
-        "ratio_anneal_steps": _integer(st.ratio_anneal_steps, 0), "min_kept": _integer(st.min_kept, 0, 1 << 16),
     }
+    if isinstance(st, Stage2):  # the binarisation's own settings
+        checks.update({
+            "ratio_start": None if st.ratio_start is None else _number(st.ratio_start, 0.0, 1.0, open_high=True),
+            "ratio_anneal_steps": _integer(st.ratio_anneal_steps, 0), "min_kept": _integer(st.min_kept, 0, 1 << 16),
+        })
     return [f"--{name}.{k}: {v}" for k, v in checks.items() if v]
 
 

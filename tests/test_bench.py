@@ -13,7 +13,7 @@ from leank_infer.cli import main
 def test_bench_prints_dense_and_leank_side_by_side(tmp_path, capsys):
     mask_dir, _ = tiny_repo(tmp_path)
     plot = tmp_path / "decode.png"
-    assert main(["bench", str(mask_dir), "--contexts", "96", "--batches", "1,2", "--new-tokens", "4",
+    assert main(["bench", str(mask_dir), "--contexts", "96", "--batches", "1", "2", "--new_tokens", "4",
                  "--plot", str(plot), "--card"]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (mask_dir / "decode.png").is_file() and "![decode.png](decode.png)" in (mask_dir / "README.md").read_text()

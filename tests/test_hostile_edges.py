@@ -561,7 +561,7 @@ def _glob_gguf(tmp_path, monkeypatch, capsys):
 def _bench_huge_batch(tmp_path, monkeypatch, capsys):
     mask_dir = _mask_with(tmp_path)
     monkeypatch.setattr("leank_infer.bench.free_bytes", lambda device: 1 << 30)  # the same on every machine
-    args = ["bench", str(mask_dir), "--contexts", "64", "--batches", "1,100000", "--new-tokens", "4"]
+    args = ["bench", str(mask_dir), "--contexts", "64", "--batches", "1", "100000", "--new-tokens", "4"]
     # 512 bytes a token (2 layers x 2 KV heads x 16 channels, K and V, fp32) x 68 tokens x 100,000 sequences
     return cli(args, capsys), "--batches 100,000 x --contexts 64 (+4 new tokens) needs 3.2 GiB of dense K/V cache, " \
         "more than the 1.0 GiB free on cpu"

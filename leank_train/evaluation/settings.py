@@ -15,23 +15,26 @@ QUICK = {"lengths": [1024], "samples": 2, "kl": False}
 
 @dataclass
 class EvalSettings:
-    """What ``leank run`` evaluates after stage 2 (the recipe's ``evaluate:`` section)."""
+    """What ``leank run`` evaluates after stage 2 (the recipe's ``evaluate:`` section).
 
-    #: run the evaluation and put its table in the model card
+    Args:
+        enabled: run the evaluation and put its table in the model card.
+        lengths: prompt lengths in tokens (the suite: prompt plus generation, as in RULER).
+        samples: probes per task and length.
+        methods: full model, the learned mask, and the two baselines (random, ThinK) at the same K budget.
+        seed: seed of the probes.
+        kl: also measure the next-token KL(full || LeanK) on held-out text.
+        tasks: the tasks of the suite (leank_train.evaluation.tasks).
+        quick: a smoke test instead: one length, two probes per task, no KL (what ``leank eval --quick`` runs).
+    """
+
     enabled: bool = True
-    #: prompt lengths in tokens
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])
-    #: probes per task and length
     samples: int = 6
-    #: full model, the learned mask, and the two baselines at the same K budget
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    #: seed of the probes
     seed: int = 1234
-    #: also measure the next-token KL(full || LeanK) on held-out text
     kl: bool = True
-    #: the tasks of the suite (leank_train.evaluation.tasks)
     tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
-    #: a smoke test instead: one length, two probes per task, no KL (``QUICK``)
     quick: bool = False
 
     def resolved(self) -> EvalSettings:
