@@ -726,21 +726,3 @@ def write_model_card(
         write_card_files(tmp, eval_results, repo, figures, kv_quant)
 
     return update_mask_folder(folder, fill)
-
-
-def card_command(folders: list[str]) -> int:
-    """Rewrite mask folders' model cards (README.md) and pattern.png from their files and eval.json, without evaluating.
-
-    Args:
-        folders: mask folders (mask.safetensors, config.json and, when evaluated, eval.json), e.g. hub/*/.
-    """
-    from ..cli_types import UsageError
-    from ..mask import MaskError
-
-    for folder in folders:
-        try:
-            write_model_card(folder, repo=str(folder).rstrip("/"))
-        except MaskError as e:
-            raise UsageError(str(e)) from None
-        print(f"card: {Path(folder) / 'README.md'}")
-    return 0
