@@ -46,6 +46,7 @@ demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
 test: $(STAMP) $(VSTAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # tests/test_docs_render.py
 	$(PY) -m pytest -q --ignore=tests/vllm_plugin
 	$(MAKE) test-vllm
 

@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("leank_train.memory:memory", "device memory of one training step, estimated from a model config"),
     "bench": ("leank_infer.bench:bench", "decode latency, tokens/s and KV bytes, dense vs LeanK (or --estimate)"),
     "generate": ("leank_infer.generate_cli:generate", "answer a prompt dense vs LeanK, with KV bytes of each"),
+    "card": ("leank_infer.hub_cli:card", "rewrite mask folders' model cards and pattern.png (no evaluation)"),
     "push": ("leank_infer.hub_cli:push", "upload a mask repo folder to the Hub in one commit"),
     "pull": ("leank_infer.hub_cli:pull", "download a mask repo (revision pinning, Hub cache)"),
     "import": ("leank_infer.reference_import:import_command", "convert a mask released with the reference code (.pth)"),

@@ -1,6 +1,6 @@
-"""``leank push DIR REPO_ID`` and ``leank pull REPO_ID``: the Hub side of mask repos.
+"""``leank push DIR REPO_ID``, ``leank pull REPO_ID`` and ``leank card DIR``: the Hub side of mask repos.
 
-Both go through huggingface_hub, so ``HF_ENDPOINT``, ``HF_TOKEN`` (or ``hf auth login``),
+push and pull go through huggingface_hub, so ``HF_ENDPOINT``, ``HF_TOKEN`` (or ``hf auth login``),
 ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` work as they do for every Hub client.
 """
 
@@ -73,4 +73,21 @@ def pull(repo_id: str, *, revision: str | None = None, cache_dir: str | None = N
     mask = ChannelMask.from_dir(folder)
     print(folder)
     print(mask)
+    return 0
+
+
+def card(folders: list[str]) -> int:
+    """Rewrite mask folders' model cards (README.md) and pattern.png from their files and eval.json, evaluating nothing.
+
+    Args:
+        folders: mask folders (mask.safetensors, config.json and, when evaluated, eval.json), e.g. hub/*/.
+    """
+    from .hub.card import write_model_card
+
+    for folder in folders:
+        try:
+            write_model_card(folder, repo=str(folder).rstrip("/"))
+        except MaskError as e:
+            raise UsageError(str(e)) from None
+        print(f"card: {Path(folder) / 'README.md'}")
     return 0

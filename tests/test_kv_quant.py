@@ -561,17 +561,16 @@ def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
     assert "kv_quant of the LeanK rows: int8." in text  # the earlier results stay
     assert (tmp_path / "pareto.png").is_file() and "python benchmarks/eval_masks.py x --kv-quants int4" in text
     assert "4 probes per task and length" in text and "1024 tokens: passkey, niah_single_number" in text
-    # several runs (one per length): one table each, under its own command, in the order given
+    # several runs (one per length): one table, a column per length, the commands listed under it in that order
     second = {**record, "command": "python benchmarks/eval_masks.py y --lengths 2048", "lengths": [2048],
               "rows": [{**record["rows"][0], "headline": {"2048": "0.800 +/- 0.030"}}],
               "headline_tasks": {"2048": ["passkey"]}}
     write_model_card(tmp_path, None, kv_quant=[record, second])
     text = (tmp_path / "README.md").read_text()
     assert text.count("## KV quantisation") == 1
-    first_at, second_at = text.index("`python benchmarks/eval_masks.py x --kv-quants int4`"), text.index(
-        "`python benchmarks/eval_masks.py y --lengths 2048`")
-    assert first_at < text.index("| LeanK | int4 | 2,756 | 0.900 +/- 0.020 |") < second_at
-    assert second_at < text.index("| LeanK | int4 | 2,756 | 0.800 +/- 0.030 |")
+    row = text.index("| LeanK | int4 | 2,756 | 0.900 +/- 0.020 | 0.800 +/- 0.030 |")
+    assert row < text.index("1. 1,024 tokens: `python benchmarks/eval_masks.py x --kv-quants int4`") < text.index(
+        "2. 2,048 tokens: `python benchmarks/eval_masks.py y --lengths 2048`")
 
 
 @pytest.mark.parametrize("bad, says", [

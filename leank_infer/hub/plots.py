@@ -1,7 +1,8 @@
 """The result figures of the docs and the mask cards, each drawn from what one command measured.
 
-matplotlib is imported lazily (it comes with the ``train`` extra); every function writes one PNG and
-puts the producing command under the title, so a figure never travels without its provenance.
+matplotlib is imported lazily (it comes with the ``train`` extra). A figure carries no command in its pixels (a
+long command is unreadable at page size): the card's caption under it shows the command, and the PNG keeps it
+in its metadata (``Description``), so a figure copied elsewhere still says what drew it.
 """
 
 from __future__ import annotations
@@ -27,23 +28,17 @@ def _pyplot():
 
 
 def _save(fig: Any, path: str | Path, command: str | None, title: str | None = None) -> Path:
-    """Write ``fig``, the command that made it printed at the bottom and ``title`` above, both wrapped to its
-    width and given room of their own (nothing overlaps the axes' labels)."""
-    width, height = fig.get_size_inches()
-    chars = max(20, int(width * 16))  # 7 pt monospace: about 16 characters per inch
-    bottom = 0.0
-    if command:
-        lines = textwrap.wrap(command, chars) or [""]
-        fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize=7, family="monospace")
-        bottom = (len(lines) * 0.13 + 0.05) / height
+    """Write ``fig`` with ``title`` above (wrapped to its width); ``command``, the one that made it, goes into the
+    PNG's ``Description`` metadata, not into the picture."""
+    width, _ = fig.get_size_inches()
     if title:
         lines = textwrap.wrap(title, max(20, int(width * 11)))  # 11 pt: about 11 characters per inch
         fig.suptitle("\n".join(lines), fontsize=11)  # tight_layout makes room for it
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    fig.clf()
+    fig.savefig(out, dpi=110, metadata={"Description": command} if command else None)
+    _pyplot().close(fig)
     return out
 
 
