@@ -56,7 +56,7 @@ def test_card_has_one_table_per_length_and_numbers_each_runs_command(tmp_path):
     assert one < body.index("| 1 | niah | 0.910 |") < body.index("| 1 | passkey | 0.930 |") < four
     assert four < body.index("| 2 | niah | 0.420 |")
     folded = body[body.index("<details"):body.index("</details>")]
-    assert folded.index("1. `eval --lengths 1024`") < folded.index("2. `eval --lengths 4096`")
+    assert folded.index("1. <code>eval --lengths 1024</code>") < folded.index("2. <code>eval --lengths 4096</code>")
     assert body.count("### ") == 2  # a length's rows are in its table only
 
 
@@ -123,7 +123,7 @@ def test_card_figures_have_captions_that_say_which_run_drew_them(tmp_path):
     assert "not one of the tables above, on the needle kinds passkey, multikey, 12 probes" in caption["acc.png"]
     assert "Drawn from run 1" in caption["same.png"]
     assert "Drawn from the saved results of runs 1 of the tables above" in caption["sweep.png"]
-    assert f"`{figures['acc.png']}`" in text and f"`{figures['sweep.png']}`" in text
+    assert f"<code>{figures['acc.png']}</code>" in text and f"<code>{figures['sweep.png']}</code>" in text
     assert "Left: each K channel's stage-1 learned scaler" in text  # pattern.png's caption
 
 
@@ -156,7 +156,7 @@ def test_leank_card_rewrites_a_card_from_the_folder_alone(tmp_path, capsys):
     (tmp_path / "m" / EVAL_FILE).write_text(json.dumps({"results": _suite_rows("leank eval m", 1024, 4, 3)}))
     assert main(["card", str(tmp_path / "m")]) == 0
     text = (tmp_path / "m" / "README.md").read_text()
-    assert "### 1,024 tokens" in text and "`leank eval m`" in text and (tmp_path / "m" / "pattern.png").is_file()
+    assert "### 1,024 tokens" in text and "<code>leank eval m</code>" in text and (tmp_path / "m" / "pattern.png").is_file()
     assert main(["card", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
 

@@ -11,6 +11,7 @@ or ``torchrun``; a path is a word whose first component is a top-level entry of 
 
 from __future__ import annotations
 
+import html
 import re
 import shlex
 import subprocess
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "hub").glob("*/README.md")])
 FENCE = re.compile(r"^```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)^```", re.M | re.S)
 SHELL = ("bash", "sh", "shell", "console")
+HTML_CODE = re.compile(r"<code>(.*?)</code>", re.S)
 SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 HEADS = ("leank", "python", "python3", "make", "torchrun")
 #: the options whose value is a path the command writes
@@ -62,6 +64,8 @@ def page_commands(text: str) -> list[tuple[int, str]]:
     prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     for m in SPAN.finditer(prose):
         found.append((prose.count("\n", 0, m.start()) + 1, " ".join(m.group(2).split())))
+    for m in HTML_CODE.finditer(prose):  # the cards' folded commands: escaped HTML code elements
+        found.append((prose.count("\n", 0, m.start()) + 1, " ".join(html.unescape(m.group(1)).split())))
     return sorted(found, key=lambda t: t[0])
 
 

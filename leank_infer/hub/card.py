@@ -85,6 +85,14 @@ def inline_code(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
+def html_code(text: str) -> str:
+    """``text`` as an HTML code element, escaped: a recorded command inside a folded ``<details>`` block (raw HTML to
+    renderers without Markdown-in-HTML) cannot add live HTML or Markdown to the card."""
+    import html
+
+    return f"<code>{html.escape(' '.join(str(text).split()))}</code>"
+
+
 USAGE = """\
 from leank_infer import LeanKModel
 
@@ -337,7 +345,7 @@ def results_section(rows: list[dict[str, Any]], default_command: str, commands: 
                    "ThinK: as many K channels per head as the mask, drawn at random / chosen by ThinK from the "
                    "prompt. `eval.json` holds every row with its 95% interval; the Hub metadata holds each length's "
                    "headline.\n")
-    listed = "\n".join(f"{i}. {inline_code(c)}" for c, i in runs.items())
+    listed = "\n".join(f"{i}. {html_code(c)}" for c, i in runs.items())
     what = "The commands that measured these rows (the `run` column)" if several else "The command that measured these rows"
     out.append(f'<details markdown="1"><summary>{what}</summary>\n\n{listed}\n\n</details>\n')
     return "\n".join(out) + "\n"
@@ -370,7 +378,7 @@ def kv_quant_section(record: dict[str, Any] | list[dict[str, Any]] | None) -> st
                  + " | ".join(f"headline, {n} tokens" for n in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
         lines += [f"| {method} | {quant} | {per:,.0f} | " + " | ".join(row.get(str(n), "") for n in lengths) + " |"
                   for (method, quant, per), row in cells.items()]
-        listed = "\n".join(f"{i}. {', '.join(f'{n:,}' for n in rec['lengths'])} tokens: {inline_code(rec['command'])}"
+        listed = "\n".join(f"{i}. {', '.join(f'{n:,}' for n in rec['lengths'])} tokens: {html_code(rec['command'])}"
                            for i, rec in enumerate(group, 1))
         out.append("\n".join(lines) + "\n\n"
                    + f'<details markdown="1"><summary>The commands of this table</summary>\n\n{listed}\n\n</details>\n\n')
@@ -434,7 +442,7 @@ def figure_caption(name: str, command: str, runs: dict[str, int], kv_runs: dict[
     if command in runs or command in (kv_runs or {}):  # its command is listed with that run's
         return f"![{name}]({name})\n\n**Figure** ({name}). {text}\n\n"
     return (f"![{name}]({name})\n\n**Figure** ({name}). {text}\n\n"
-            f'<details markdown="1"><summary>Command</summary>\n\n{inline_code(command)}\n\n</details>\n\n')
+            f'<details markdown="1"><summary>Command</summary>\n\n{html_code(command)}\n\n</details>\n\n')
 
 
 class _Inline(dict):
