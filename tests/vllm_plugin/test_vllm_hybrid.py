@@ -119,7 +119,8 @@ def test_greedy_tokens_equal_leank_model(served):
 @pytest.mark.slow
 def test_windowed_layers_keep_vllms_attention_and_spec(served):
     """The sliding-window layers are vLLM's own (a SlidingWindowSpec group each, no LeanK state); LeanK runs the
-    full-attention layers only; every group has one page size, the windowed pages filled exactly."""
+    full-attention layers only; every group has one page size, the windowed pages filled exactly and LeanK's
+    padded by at most 1/8 (vLLM, left alone, would pad LeanK's pages to the windowed layers' larger ones)."""
     family, _, _, record = served
     full = [i for i, t in enumerate(vllm_hybrid.LAYER_TYPES) if t == "full_attention"]
     windowed = [i for i, t in enumerate(vllm_hybrid.LAYER_TYPES) if t != "full_attention"]
@@ -130,3 +131,5 @@ def test_windowed_layers_keep_vllms_attention_and_spec(served):
     per_token = 2 * 1 * vllm_hybrid.HEAD_DIM * 4  # K+V of one KV head, fp32
     assert all(g["block_size"] * per_token == g["page_bytes"] for g in sliding)
     assert {g["spec"] for g in record["groups"]} == {"SlidingWindowSpec", "FullAttentionSpec", "LeanKWindowSpec"}
+    (packed,) = [g for g in record["groups"] if g["spec"] == "FullAttentionSpec"]  # LeanK's pages: little padding
+    assert (packed["page_bytes"] - packed["block_size"] * 4 * record["packed_row"]) * 8 <= packed["page_bytes"]
