@@ -184,18 +184,23 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
     context = vllm_config.compilation_config.static_forward_context
-    windowed_layers = set(dense_layers_of(vllm_config.model_config.hf_config))  # the transformers path's rule
-    layers: dict[int, tuple[str, Any]] = {}
-    windowed: list[Any] = []
-    for name, module in context.items():
-        if not isinstance(module, Attention) or module.attn_type != AttentionType.DECODER:
-            continue
+    attention = {
+        name: module
+        for name, module in context.items()
+        if isinstance(module, Attention) and module.attn_type == AttentionType.DECODER
+    }
+    for name, module in attention.items():
         impl = module.impl
         if not isinstance(impl, LeanKAttentionMixin) or impl.mask is None:
             raise MaskError(
                 f"a LeanK mask is set but layer {name} runs {type(impl).__name__}: LeanK runs in vLLM's "
                 "CPU_ATTN backend (CPU build) and TRITON_ATTN (GPUs: pass --attention-backend TRITON_ATTN)"
             )
+    windowed_layers = set(dense_layers_of(vllm_config.model_config.hf_config))  # the transformers path's rule
+    layers: dict[int, tuple[str, Any]] = {}
+    windowed: list[Any] = []
+    for name, module in attention.items():
+        impl = module.impl
         index = extract_layer_index(name)
         if impl.windowed != (index in windowed_layers):  # both paths must leave the same layers whole
             raise MaskError(
