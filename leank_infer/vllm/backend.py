@@ -3,7 +3,9 @@
 Registered by :func:`leank_infer.vllm.register` in place of ``CPU_ATTN`` (vLLM's CPU build) and
 ``TRITON_ATTN`` (CUDA, which vLLM's selection then gives every decoder layer, no flag needed:
 :mod:`~leank_infer.vllm.backend_cuda`): without a LeanK mask in the engine's settings every layer is vLLM's
-own attention, unchanged. With one, each decoder layer of the model is a LeanK layer:
+own attention, unchanged. With one, each full-attention decoder layer of the model is a LeanK layer (a
+sliding-window layer, which the transformers path leaves whole too, stays vLLM's own attention with vLLM's
+KV cache spec, its pages sized to LeanK's: :func:`plan_worker`):
 
 - its K/V live in the worker's LeanK pages (:mod:`~leank_infer.vllm.pool`): packed rows for every
   token, full rows for the sink and the window. The layer shares the packed store's cache and block
@@ -32,7 +34,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from ..mask import ChannelMask, MaskError
+from ..mask import ChannelMask, MaskError, dense_layers_of
 from . import kernels
 from .paged_reference import request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
@@ -73,19 +75,23 @@ class LeanKAttentionMixin:
         self.dense_prompt = False
         config = get_current_vllm_config()
         self.vllm_config = config
+        self.windowed = False  # a sliding-window layer of a LeanK model: vLLM's own attention and KV spec
         settings = settings_from(getattr(config, "additional_config", None))
         if settings is None or self.attn_type != AttentionType.DECODER:
             return  # vLLM's own attention
+        self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
+        self.dense_prompt = settings.dense_prompt
         if self.sliding_window not in _NO_WINDOW:
-            raise MaskError(
-                "LeanK serving does not support models with sliding-window attention layers "
-                f"(this layer's window: {self.sliding_window})"
-            )
+            self.windowed = True  # left whole, as the transformers path leaves it (plan_worker checks the index)
+            return
         check_engine(config)
         self.check_platform(config)
-        self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
+        if getattr(self, "logits_soft_cap", None):  # vLLM spells "none" 0 (CPU) or None
+            raise MaskError(
+                "LeanK serving does not support attention logit soft-capping on full-attention layers "
+                f"(this layer's cap: {self.logits_soft_cap})"
+            )
         self.fp8 = _FP8.get(config.cache_config.cache_dtype)
-        self.dense_prompt = settings.dense_prompt
 
     def check_platform(self, vllm_config: Any) -> None:
         """Refuse what this implementation cannot run (the CUDA variant's hook)."""
@@ -93,7 +99,7 @@ class LeanKAttentionMixin:
     # ---- set-up, once per worker, after the model is loaded ---------------------------------------
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
-        if self.mask is not None and self.slot is None:
+        if self.mask is not None and self.plan is None:
             plan_worker(self.vllm_config, self.mask, self.dense_prompt)
 
     # ---- attention ------------------------------------------------------------------------------
@@ -166,7 +172,8 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
     builders (``CommonAttentionMetadata.rswa_prefix_lens``) for models with Reference Sliding Window Attention
     only, when the model config has an ``rswa_window``; the worker's copy of the config gets one here, after
     every attention backend is chosen (so no backend selection sees it). No other part of vLLM reads it for a
-    model whose layers are plain attention layers, which every layer of a LeanK model is.
+    model whose layers are plain attention layers, which every LeanK layer is; vLLM's CPU attention, which runs
+    the sliding-window layers of a hybrid model, ignores it (its GPU backends would not: refused there).
     """
     from vllm.distributed import (
         get_pp_group,
@@ -178,10 +185,12 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
     context = vllm_config.compilation_config.static_forward_context
-    layers: dict[int, tuple[str, Any]] = {}
-    for name, module in context.items():
-        if not isinstance(module, Attention) or module.attn_type != AttentionType.DECODER:
-            continue
+    attention = {
+        name: module
+        for name, module in context.items()
+        if isinstance(module, Attention) and module.attn_type == AttentionType.DECODER
+    }
+    for name, module in attention.items():
         impl = module.impl
         if not isinstance(impl, LeanKAttentionMixin) or impl.mask is None:
             raise MaskError(
@@ -189,33 +198,66 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
                 "CPU_ATTN backend (CPU build) and TRITON_ATTN (CUDA), which vLLM picks by itself for a decoder "
                 "layer while a mask is set (leave --attention-backend out)"
             )
+    windowed_layers = set(dense_layers_of(vllm_config.model_config.hf_config))  # the transformers path's rule
+    layers: dict[int, tuple[str, Any]] = {}
+    windowed: list[Any] = []
+    for name, module in attention.items():
+        impl = module.impl
         index = extract_layer_index(name)
+        if impl.windowed != (index in windowed_layers):  # both paths must leave the same layers whole
+            raise MaskError(
+                f"layer {name}: vLLM gives it {'a' if impl.windowed else 'no'} sliding window "
+                f"({impl.sliding_window}) but the model config says it is "
+                f"{'a sliding-window' if index in windowed_layers else 'a full-attention'} layer; LeanK prunes "
+                "full-attention layers only and cannot tell which this one is"
+            )
+        if impl.windowed:
+            impl.attention_layer = module  # its spec gets the block size that fills LeanK's page (_share_pages)
+            windowed.append(impl)
+            continue
         if (impl.num_kv_heads, impl.head_size) != (None, None) and impl.head_size != mask.head_dim:
             raise MaskError(f"LeanK mask head_dim {mask.head_dim} != layer {name}'s {impl.head_size}")
         layers[index] = (name, module)
     if not layers:
-        raise MaskError("a LeanK mask is set but the model has no decoder attention layer")
+        raise MaskError(
+            "a LeanK mask is set but the model has no full-attention decoder layer (sliding-window layers "
+            "are left whole): LeanK has nothing to prune"
+        )
+    if windowed and dense_prompt and vllm_config.device_config.device_type != "cpu":
+        # the dense-prompt rule passes prompt lengths through vLLM's R-SWA field (below), which vLLM's GPU
+        # backends would then apply to the sliding-window layers as well
+        raise MaskError(
+            "LeanK serves models with sliding-window layers on GPUs under leank_rule 'positional' only"
+        )
     order = sorted(layers)
     cache = vllm_config.cache_config
-    block = cache.block_size if getattr(cache, "user_specified_block_size", False) else DEFAULT_BLOCK_SIZE
+    user_block = getattr(cache, "user_specified_block_size", False)
+    block = cache.block_size if user_block else DEFAULT_BLOCK_SIZE
     pp = get_pp_group().world_size
-    stages = [list(range(*get_pp_indices(mask.num_layers, r, pp))) for r in range(pp)]
+    stages = [
+        [i for i in range(*get_pp_indices(mask.num_layers, r, pp)) if i not in windowed_layers] for r in range(pp)
+    ]
     plan = WorkerPlan.build(
         mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages,
         dense_prompt,
     )
+    first_name, first = layers[order[0]]
+    page_bytes = None
+    if windowed:
+        plan, page_bytes = _share_pages(plan, windowed, first, vllm_config, user_block)
     if dense_prompt:
         arch = vllm_config.model_config.model_arch_config
         if arch.rswa_window is not None:
             raise MaskError("LeanK's dense-prompt rule cannot serve a model with R-SWA attention")
         arch.rswa_window = plan.window
     kernels.prepare(plan, vllm_config.device_config.device_type)  # before any CUDA graph capture
-    first_name, first = layers[order[0]]
     if plan.num_kv_heads != first.impl.num_kv_heads:
         raise MaskError(
             f"LeanK plan has {plan.num_kv_heads} KV heads per rank, vLLM's layer has {first.impl.num_kv_heads}"
         )
-    packed_spec, window_spec = kv_specs(plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype))
+    packed_spec, window_spec = kv_specs(
+        plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype), page_bytes
+    )
     backend = PackedBackend
     packed_name = f"{first_name}.{PACKED_SUFFIX}"
     Store(packed_name, packed_spec, backend, vllm_config)
@@ -223,6 +265,8 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
         Store(f"{layers[store[0]][0]}.{WINDOW_SUFFIX}", window_spec, WindowBackend, vllm_config)
         for store in plan.window_layers
     ]
+    for impl in windowed:
+        impl.plan = plan  # planned: the worker's windowed layers keep vLLM's own attention and KV spec
     for index in order:
         module = layers[index][1]
         impl = module.impl
@@ -233,6 +277,52 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
         module.kv_sharing_target_layer_name = packed_name
         module.attn_backend = backend
     return plan
+
+
+def _share_pages(
+    plan: WorkerPlan, windowed: list[Any], first: Any, vllm_config: Any, user_block: bool
+) -> tuple[WorkerPlan, int]:
+    """One page size for LeanK's stores and the model's sliding-window layers (vLLM's pool has one).
+
+    vLLM gives a sliding-window layer its own spec (``SlidingWindowSpec``) and, where page sizes differ, pads the
+    smaller pages to the largest. Instead the pages are made equal: LeanK's page (``block`` tokens of its widest
+    row) is rounded up to whole multiples of what the windowed layers' attention kernel reads (its smallest
+    block of their full rows), LeanK's block (16, 32, ... up to 128 tokens unless ``--block-size`` names it) is
+    the first whose rounding wastes at most 1/8 of the page (else the least wasteful), and each windowed layer's
+    spec is vLLM's own with the block size that fills that page exactly. Returns the plan and the page in bytes.
+    """
+    from dataclasses import replace
+
+    from vllm.v1.attention.backend import MultipleOf
+
+    item = torch.empty((), dtype=first.kv_cache_torch_dtype).element_size()
+    row = max(plan.packed_row, plan.window_row) * item  # bytes per token of LeanK's widest store
+    specs = [impl_layer_spec(impl, vllm_config) for impl in windowed]
+    per_token = {replace(s, block_size=1, page_size_padded=None).page_size_bytes for s in specs}
+    if len(per_token) != 1:
+        raise MaskError(f"LeanK needs the model's sliding-window layers to have one K/V size per token: {per_token}")
+    sw_token = per_token.pop()
+    sizes = windowed[0].attention_layer.get_attn_backend().get_supported_kernel_block_sizes()
+    kernel = min(s.base if isinstance(s, MultipleOf) else s for s in sizes)  # the windowed kernel's block unit
+    unit = kernel * sw_token
+    blocks = [plan.block_size] if user_block else list(range(16, 129, 16))
+
+    def page(b: int) -> int:
+        return -(-b * row // unit) * unit
+
+    best = next((b for b in blocks if (page(b) - b * row) * 8 <= page(b)), None)
+    best = best or min(blocks, key=lambda b: (page(b) - b * row) / page(b))
+    plan = replace(plan, block_size=best)
+    size = page(best)
+    for impl, spec in zip(windowed, specs, strict=True):
+        fixed = replace(spec, block_size=size // sw_token, page_size_padded=None)
+        impl.attention_layer.get_kv_cache_spec = lambda _config, fixed=fixed: fixed  # vLLM's spec, the block filling a page
+    return plan, size
+
+
+def impl_layer_spec(impl: Any, vllm_config: Any) -> Any:
+    """The KV cache spec vLLM's attention layer of ``impl`` declares (a ``SlidingWindowSpec`` for a windowed one)."""
+    return type(impl.attention_layer).get_kv_cache_spec(impl.attention_layer, vllm_config)
 
 
 class LeanKCPUAttentionImpl(LeanKAttentionMixin, CPUAttentionBackendImpl):

@@ -164,14 +164,19 @@ class WorkerPlan:
         return self.packed_row * itemsize
 
 
-def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None) -> tuple[Any, Any]:
-    """vLLM specs of the packed store and of (every) window store: one page size, ``plan.page_elements``."""
+def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None, page_bytes: int | None = None) -> tuple[Any, Any]:
+    """vLLM specs of the packed store and of (every) window store: one page size, ``plan.page_elements``
+    (or ``page_bytes``, at least that, where the model's sliding-window layers share the pool)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from .kv_specs import LeanKWindowSpec
 
     item = torch.empty((), dtype=dtype).element_size()
     page = plan.page_elements * item
+    if page_bytes is not None:
+        if page_bytes < page:
+            raise ValueError(f"page_bytes {page_bytes} is smaller than the plan's page ({page} bytes)")
+        page = page_bytes
     common = dict(
         block_size=plan.block_size, num_kv_heads=plan.num_kv_heads, head_size=plan.head_dim, dtype=dtype,
         num_head_slots=1, page_size_padded=page,
