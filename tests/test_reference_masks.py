@@ -488,17 +488,18 @@ def check_against_rule(model, mask, rows, tokens, logits, recents, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_real_decode_at_reference_sizes(family):
-    """Real hidden size and attention, the mask's own sizes (sink 128, recent 768): a ~1k-token prompt
+    """Real hidden size and attention, the mask's own sizes (sink 128, recent 768, accumu 128): a ~1k-token prompt
     decodes as the LeanK rule, and the cache holds the bytes ChannelMask.stats() says (fp32)."""
     model = shrunk_model(family, torch.float32)
     mask = sliced_mask(family)
     assert (mask.sink_size, mask.recent_size) == (128, 768) and (mask.kept_counts == 0).any()
     lk = LeanKModel(model, mask)
-    rows = [prompt(930, seed=1)]
+    rows = [prompt(1050, seed=1)]
     tokens, logits, recents, regions, nbytes = padded_steps(lk, rows, 3)
-    assert regions == {"head": 128, "middle": 930 - 128 - 768, "tail": 768, "total": 930}
+    # the next query's recent part starts 768 back, rounded down to a multiple of 128: 256
+    assert regions == {"head": 128, "middle": 256 - 128, "tail": 1050 - 256, "total": 1050}
     per = mask.stats(dtype=torch.float32)["bytes_per_token"]
-    assert nbytes == (128 + 768) * per["dense"] + 34 * per["leank"] == mask.kv_cache_bytes(930, 1, torch.float32)
+    assert nbytes == (128 + 794) * per["dense"] + 128 * per["leank"] == mask.kv_cache_bytes(1050, 1, torch.float32)
     check_against_rule(model, mask, rows, tokens, logits, recents, torch.float32)
 
 
