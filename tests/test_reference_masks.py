@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import documented_recent_from
 from test_families import reference_steps
 
 from leank_infer import ChannelMask, LeanKModel
@@ -477,10 +478,13 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 
 
 def check_against_rule(model, mask, rows, tokens, logits, recents, dtype):
-    """Each row's LeanK logits at every step equal the LeanK rule over full K/V for that row alone."""
+    """Each row's LeanK logits at every step equal the LeanK rule over full K/V for that row alone: the query at
+    position p of the row (counted from its first token) sees full keys from docs/rule.md's recent_from(p) on."""
     tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     for i, row in enumerate(rows):
-        want = reference_steps(model, tokens[i][None], len(row), mask, recents)
+        own = [p - documented_recent_from(p, mask.recent_size, mask.accumu_size)
+               for p in range(len(row), len(row) + len(recents))]
+        want = reference_steps(model, tokens[i][None], len(row), mask, own)
         for step, (got_b, want_b) in enumerate(zip(logits, want, strict=True)):
             torch.testing.assert_close(got_b[i : i + 1].float(), want_b.float(), msg=f"row {i} step {step}", **tol)
 
