@@ -7,7 +7,7 @@ random and ThinK channels at its K budget (``random-r70``, ``think-r70``), so al
 the full model on the same probes. Prints the suite table (``leank_train.evaluation.report``), and the
 time taken. ``--card`` rewrites each mask's model card with its own rows (the full model, the mask as
 ``leank``, and the baselines at its budget as ``random`` and ``think``), this command next to them.
-``--rules dense-prefill positional`` answers with each mask (and baseline) under each LeanK rule on the same
+``--rules dense-prompt positional`` answers with each mask (and baseline) under each LeanK rule on the same
 probes: the first rule's methods keep the names above, the others' get the rule as a suffix
 (``leank-r70-positional``); the cards take the first rule's.
 ``--from-json F --card`` writes the cards from a run saved with ``--json F`` (the masks given must be among
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from leank_infer import ChannelMask, LeanKModel
-from leank_infer.decode.rule import DENSE_PREFILL, RULES
+from leank_infer.decode.rule import DEFAULT_RULE, RETIRED_RULES, RuleError, check_rule, rules_help
 from leank_infer.hub.card import read_eval_record, write_model_card
 from leank_train.errors import RecipeError
 from leank_train.evaluation.loop import evaluate
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="suite tasks, or variants of them: passkey:haystacks=filler, niah_multikey:distractors=0")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rules", nargs="+", choices=RULES, default=[DENSE_PREFILL],
-                   help="LeanK rules to answer with (each mask and baseline once per rule)")
+    p.add_argument("--rules", nargs="+", default=[DEFAULT_RULE],
+                   help=f"LeanK rules to answer with, each mask and baseline once per rule: {rules_help()}")
     p.add_argument("--kv-quants", nargs="+", default=[], choices=["int8", "int4"],
                    help="also each mask with its middle quantised (LeanK + kv_quant)")
     p.add_argument("--random-kv-quants", nargs="+", default=[], choices=["int8", "int4"],
@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.card_add and not args.card:
         p.error("--card-add adds a run's rows to the cards: give --card too")
+    if not args.from_json:  # a saved run's rules are history: read as stored
+        try:
+            [check_rule(rule) for rule in args.rules]
+        except RuleError as e:
+            p.error(f"--rules: {e}")
     cmd = shlex.join(["python", "benchmarks/eval_masks.py", *argv])
     torch.set_num_threads(args.threads)
     lm = LeanKModel.from_pretrained(args.masks[0])
@@ -128,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         for path in args.from_json:
             res = json.loads(path.read_text())
             ran = p.parse_args(shlex.split(res["command"])[2:])  # the saved run's own arguments
+            # its rules as recorded; a run saved before runs recorded them decoded by the rule then the default
+            ran.rules = res.get("rules") or [next(iter(RETIRED_RULES))]
             measured = ran.masks
             # a mask given is one the run answered with: the same folder, or a copy of its mask (a run on a
             # candidate's folder before it was copied into hub/)
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         res = evaluate(lm, args.lengths, args.samples, methods=methods, seed=args.seed, kl=False, tasks=tasks)
         res["bytes_per_token"] = {m.name: method_bytes(m, lm, args.bytes_at) for m in methods}
         res["bytes_at"] = args.bytes_at
-        runs.append({"command": cmd, "seconds": time.perf_counter() - start, **res})
+        runs.append({"command": cmd, "rules": args.rules, "seconds": time.perf_counter() - start, **res})
         if args.json:
             args.json.write_text(json.dumps(runs[0], indent=1, default=str))
         runs[0]["tags"], runs[0]["ran"] = tags, args

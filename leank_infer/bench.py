@@ -4,7 +4,7 @@ Runs the mask's base model in one process. Each configuration runs plain ``model
 the same random prompt, once with a DynamicCache under SDPA and once with a LeanK cache (on CUDA
 the Triton kernel, on CPU the PyTorch path); a stopping criterion timestamps every step, so the
 decode step latency is the median gap between consecutive steps. The prompt is prefilled once per
-context (batch 1, dense: LeanK's prefill attention is dense too) and every run decodes from a copy
+context (batch 1, dense: LeanK's prompt attention is dense too under the default rule) and every run decodes from a copy
 of its K/V, the row repeated to the batch; the LeanK cache takes it through its own prefill update.
 Under ``--rule positional`` the prompt attends by the mask too: the LeanK cache is prefilled through the
 LeanK model (batch 1, then its row repeated), and decodes from the dense prefill's next token as well.
@@ -27,8 +27,8 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cli_types import Fraction, PositiveInt, UsageError, output_file, staged
-from .decode.cache import dynamic_cache_bytes, fill_from_prefill
-from .decode.rule import DENSE_PREFILL, POSITIONAL, RULES
+from .decode.cache import check_rule_options, dynamic_cache_bytes, fill_from_prefill
+from .decode.rule import DEFAULT_RULE, POSITIONAL
 from .mask import ChannelMask, model_positions, model_shape
 from .model.generation import CACHE_KWARG
 from .model.leank_model import LeanKModel
@@ -145,7 +145,7 @@ def check_memory(mask: ChannelMask, contexts: list[int], batches: list[int], new
 
 def leank_filled(lk: LeanKModel, prompt: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int):
     """A fresh LeanK cache after ``prompt``'s prefill (batch 1), its row repeated ``batch`` times: filled from the
-    dense prefill's ``kv`` under the dense-prefill rule, prefilled through the LeanK model under the positional one."""
+    dense prefill's ``kv`` under the dense-prompt rule, prefilled through the LeanK model under the positional one."""
     if lk.rule != POSITIONAL:
         return filled(lk.new_cache(), kv, batch)
     cache = lk.new_cache()
@@ -189,7 +189,7 @@ def bench(
     repeats: PositiveInt = 1,
     clock: Literal["wall", "cpu"] = "wall",
     dense_until: int = 0,
-    rule: Literal[RULES] = DENSE_PREFILL,
+    rule: str = DEFAULT_RULE,
     kv_quant: Literal["int8", "int4"] | None = None,
     estimate: str | None = None,
     plot: Path | None = None,
@@ -219,8 +219,9 @@ def bench(
             CPU; with more than one thread it also counts OpenMP's spin-waiting).
         dense_until: LeanK decodes dense until a sequence holds this many tokens (LeanKModel's dense_until;
             0 = off, the default): the short-context switch, measured against plain dense.
-        rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
-            by its position alone, as the vLLM plugin decodes; no --dense-until).
+        rule: the LeanK rule, dense-prompt (the default): the prompt attends with every channel, each
+            generated token by its position; or positional: every query, the prompt's too, by its position alone (no
+            --dense-until).
         kv_quant: store LeanK's middle quantised, int8 or int4 (KIVI's grouping, leank_infer.decode.kv_quant);
             sink and recent tokens stay full precision. Default: the model's dtype.
         estimate: only print KV bytes/token dense vs LeanK for this model's config (no weights).
@@ -258,9 +259,10 @@ def bench(
         return estimate_main(estimate, ratio, zero_heads, torch_dtype)
     if dense_until < 0:
         raise UsageError(f"--dense-until: must be >= 0 tokens, got {dense_until}")
-    if dense_until and rule != DENSE_PREFILL:
-        raise UsageError(f"--dense-until {dense_until} has no meaning under --rule {rule} (every generated query "
-                         f"follows the rule by its position): drop --dense-until, or use --rule {DENSE_PREFILL}")
+    try:
+        check_rule_options(rule, dense_until)
+    except ValueError as e:
+        raise UsageError(f"--rule: {e}") from None
     if threads and threads > 4 * (os.cpu_count() or 1):
         raise UsageError(f"--threads {threads}: this machine has {os.cpu_count()} CPUs; give at most {4 * (os.cpu_count() or 1)}")
     if threads:
@@ -294,7 +296,7 @@ def bench(
     )
     print(f"mask: {where}; K kept {stats['k_kept_fraction']:.1%}, V kept {stats['v_kept_fraction']:.1%}"
           + (f"; LeanK decodes dense until {dense_until:,} tokens" if dense_until else "")
-          + (f"; rule {rule}" if rule != DENSE_PREFILL else "")
+          + (f"; rule {rule}" if rule != DEFAULT_RULE else "")
           + (f"; middle quantised {kv_quant}" if kv_quant else ""))
     lk = LeanKModel(model, mask, dense_until=dense_until, rule=rule, kv_quant=kv_quant)
     header = (

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from .cli_types import PositiveInt, UsageError, check_text
-from .decode.rule import DENSE_PREFILL, RULES
+from .decode.rule import DEFAULT_RULE, check_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ def generate(
     revision: str | None = None,
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     width: PositiveInt = 100,
-    rule: Literal[RULES] = DENSE_PREFILL,
+    rule: str = DEFAULT_RULE,
     kv_quant: Literal["int8", "int4"] | None = None,
 ) -> int:
     """Answer one prompt dense and with LeanK, side by side, with the KV bytes of each.
@@ -65,11 +65,15 @@ def generate(
         revision: mask repo revision (Hub).
         dtype: dtype of the base model.
         width: total width of the side-by-side output.
-        rule: the LeanK rule: dense-prefill (the prompt attends with every channel) or positional (every query
-            by its position alone, the prompt's too, as the vLLM plugin decodes).
+        rule: the LeanK rule, dense-prompt (the default): the prompt attends with every channel, each
+            generated token by its position; or positional: every query, the prompt's too, by its position alone.
         kv_quant: store LeanK's middle quantised, int8 or int4 (sink and recent tokens stay full precision).
     """
     check_text("--prompt", prompt)
+    try:
+        check_rule(rule)
+    except ValueError as e:
+        raise UsageError(f"--rule: {e}") from None
     if not prompt.strip():
         raise UsageError("--prompt is empty; give the text to answer")
     from transformers import DynamicCache

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 from typing import Literal
 
 from leank_infer import ChannelMask
-from leank_infer.cli_types import PositiveInt, output_file, staged
-from leank_infer.decode.rule import DENSE_PREFILL, RULES
+from leank_infer.cli_types import PositiveInt, UsageError, output_file, staged
+from leank_infer.decode.rule import DEFAULT_RULE, check_rule
 from leank_infer.folders.atomic import write_file
 from leank_infer.hub.card import write_model_card
 
@@ -54,7 +54,7 @@ def eval_command(
     methods: list[Literal[METHODS]] = list(METHODS),  # noqa: B006
     seed: int = 1234,
     kl: bool = True,
-    rule: Literal[RULES] = DENSE_PREFILL,
+    rule: str = DEFAULT_RULE,
     kv_quant: Literal["int8", "int4"] | None = None,
     json: Path | None = None,
     plot: Path | None = None,
@@ -82,8 +82,8 @@ def eval_command(
         methods: full model, the learned mask, a random mask, ThinK at the same K budget.
         seed: seed of the probes.
         kl: measure the next-token KL(full || LeanK) on held-out text (--no_kl skips it).
-        rule: the LeanK rule the masks decode by: dense-prefill (the prompt attends with every channel) or
-            positional (every query by its position alone, the prompt's too, as the vLLM plugin decodes).
+        rule: the LeanK rule, dense-prompt (the default): the prompt attends with every channel, each
+            generated token by its position; or positional: every query, the prompt's too, by its position alone.
         kv_quant: the masks (and the baselines) decode with their middle quantised, int8 or int4 (KIVI's
             grouping, leank_infer.decode.kv_quant); the full model keeps its own cache. Default: the model's dtype.
         json: write results (with every answer) to this file.
@@ -92,6 +92,10 @@ def eval_command(
     """
     from leank_infer.cli import invocation
 
+    try:
+        check_rule(rule)
+    except ValueError as e:
+        raise UsageError(f"--rule: {e}") from None
     cmd = invocation("leank eval", eval_command, dict(locals()))
     args = SimpleNamespace(mask=mask, revision=revision, lengths=lengths, samples=samples, tasks=tasks,
                               kinds=kinds, quick=quick, methods=methods, seed=seed, no_kl=not kl, json=json,

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from leank_infer.decode.rule import DEFAULT_RULE
+
 from .evaluate import EvalSettings
 
 LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "csv"), ("lightning.pytorch.loggers.TensorBoardLogger", "tb")
@@ -84,9 +86,10 @@ class Recipe:
         config_overrides: model config attributes set at load (e.g. YaRN ``rope_parameters``).
         dtype: dtype of the frozen model.
         activation_checkpointing: recompute each student layer in the backward (same gradients, less memory).
-        student_rule: the rule the mask is learned for: ``dense-prefill`` (the answer after a dense prompt, the
-            transformers path's default) or ``positional`` (every query pruned by its position, the prompt's too:
-            what the vLLM plugin serves; a backward through the whole prompt).
+        student_rule: the rule the mask is learned for, dense-prompt (the default): the prompt attends with every
+            channel, each generated token by its position (the student: the answer tokens after a dense prompt);
+            or positional: every query, the prompt's too, by its position alone (a backward through the whole
+            prompt).
         sink_size: sink tokens that keep all channels (train and decode).
         recent_size: training recent window: the last tokens before each answer query keep all channels.
         ratio: fraction of K channels pruned by the binarisation.
@@ -123,7 +126,7 @@ class Recipe:
     config_overrides: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     activation_checkpointing: bool = False
-    student_rule: Literal["dense-prefill", "positional"] = "dense-prefill"
+    student_rule: str = DEFAULT_RULE
     sink_size: int = 16
     recent_size: int = 64
     ratio: float = 0.7

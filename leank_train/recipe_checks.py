@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from leank_infer.decode.rule import RuleError, check_rule
 from leank_infer.mask.format import MAX_TOKENS
 
 from .errors import RecipeError
@@ -48,6 +49,15 @@ def _stage_problems(name: str, st: Stage) -> list[str]:
     return [f"--{name}.{k}: {v}" for k, v in checks.items() if v]
 
 
+def student_rule_problem(rule: str) -> str | None:
+    """What is wrong with a ``student_rule`` (None: a rule of :data:`~leank_infer.decode.rule.RULES`)."""
+    try:
+        check_rule(rule)
+    except RuleError as e:
+        return str(e)
+    return None
+
+
 def recipe_problems(recipe: Recipe) -> list[str]:
     """What is wrong in ``recipe``, one ``--key: problem`` per value (empty when nothing is)."""
     checks = {
@@ -59,6 +69,7 @@ def recipe_problems(recipe: Recipe) -> list[str]:
         "length_intervals": _integer(recipe.length_intervals, 1), "batch_size": _integer(recipe.batch_size, 1),
         "seed": _integer(recipe.seed, 0, 2**32 - 1), "checkpoint_every": _integer(recipe.checkpoint_every, 1),
         "haystacks": None if recipe.haystacks else "must name at least one haystack",
+        "student_rule": student_rule_problem(recipe.student_rule),
     }
     out = [f"--{k}: {v}" for k, v in checks.items() if v]
     if not out and recipe.max_length < recipe.min_length:

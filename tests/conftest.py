@@ -34,15 +34,11 @@ def load_benchmark(name: str) -> ModuleType:
     return sys.modules[key]
 
 
-def documented_recent_from(prefill: int, length: int, recent: int, accumu: int) -> int:
-    """First full recent key of the queries that join a cache of ``length`` tokens after a prefill of
-    ``prefill``, from docs/rule.md ("The decode schedule") alone (not from any cache): the first step after the prefill follows the
-    per-query rule (recent part from ``prefill - recent``); later the full part holds between ``recent``
-    and ``recent + accumu`` tokens before new ones join, its oldest ``accumu`` moving to the middle at
-    a time. Tests build their reference's full/middle split from this and the token positions."""
-    start = max(0, prefill - recent)
-    over = length - start - (recent + accumu)  # full tokens beyond recent + accumu before this step
-    return start + accumu * max(0, -(-over // accumu))
+def documented_recent_from(position: int, recent: int, accumu: int) -> int:
+    """First full recent key of a generated query at ``position`` (counted from its row's first real token),
+    from docs/rule.md ("Exact boundaries") alone, not from any cache: ``recent`` keys back, rounded down to a
+    multiple of ``accumu``. Tests build their reference's full/middle split from this and the token positions."""
+    return (position - recent) // accumu * accumu
 
 
 def tiny_config(family: str = "llama", **overrides):

@@ -10,8 +10,9 @@ from conftest import documented_recent_from
 from torch import nn
 from transformers.masking_utils import sdpa_mask
 
+from leank_infer.decode import layer_handoff
 from leank_infer.decode.attention import leank_attention_forward
-from leank_infer.decode.cache import LeanKCache, LeanKLayer
+from leank_infer.decode.cache import LeanKCache, LeanKLayer, Phase
 from leank_infer.decode.layout import ChannelGroups
 from leank_infer.decode.masked_attention import leank_attention
 from leank_infer.mask import ChannelMask
@@ -44,6 +45,14 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def offered_update(layer: LeanKLayer, k: torch.Tensor, v: torch.Tensor, kwargs: dict):
+    """``layer.update`` as :class:`LeanKCache` calls it: the layer then offered to the attention call that
+    receives the returned keys (leank_infer.decode.layer_handoff)."""
+    keys, values = layer.update(k, v, kwargs=kwargs)
+    layer_handoff.offer(keys, layer)
+    return keys, values
+
+
 class _Run:
     """Feeds random q/k/v through one LeanKLayer and the leank attention function, keeping the full K/V."""
 
@@ -54,7 +63,7 @@ class _Run:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         dense_until: int = 0,
-        rule: str = "dense-prefill",
+        rule: str = "dense-prompt",
     ):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
@@ -68,7 +77,11 @@ class _Run:
         self.starts = (~self.pad).sum(-1)
         self.k = self.v = None
         self.prefill = None
-        self.recent_from = 0
+
+    @property
+    def recent_from(self) -> int:
+        """First full recent key of the last query of an unpadded row (docs/rule.md's formula)."""
+        return documented_recent_from(self.k.shape[2] - 1, RECENT, ACCUMU)
 
     def _rand(self, q_len: int):
         b = self.pad.shape[0]
@@ -93,24 +106,21 @@ class _Run:
         )
         if self.prefill is None:
             self.prefill = past + q_len
-        # the documented schedule, from token positions only (never from the cache under test)
-        self.recent_from = documented_recent_from(self.prefill, past, RECENT, ACCUMU) if past else 0
         real = self.pad[:, : past + q_len].long()
         kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}  # as generate() numbers them
-        kk, vv = self.layer.update(k, v, kwargs=kwargs)
-        assert kwargs["leank_layer"] is self.layer
+        kk, vv = offered_update(self.layer, k, v, kwargs)
         given = self.pad[:, : past + q_len] if two_d else mask
         out, _ = leank_attention_forward(_Attn(), q, kk, vv, given, scaling=D**-0.5, **kwargs)
         self.q = q
         return out, mask
 
     def reference(self, upcast: bool = False, dense: bool = False) -> torch.Tensor:
-        """The dense LeanK rule per new query, its full recent part from the documented schedule
-        (``dense``: every channel of every key, i.e. the model's own attention); under the positional rule,
-        ``leank_attention(accumu_size=ACCUMU)`` over every key so far."""
+        """The LeanK rule over every key so far, ``leank_attention(accumu_size=ACCUMU)``: every query under the
+        positional rule, every query after the prompt under dense-prompt; the prompt's queries under dense-prompt
+        and ``dense`` (every channel of every key, i.e. the model's own attention) per query."""
         total, q_len = self.k.shape[2], self.q.shape[2]
         cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
-        if self.rule == "positional":
+        if self.rule == "positional" or (not dense and total > self.prefill):
             return leank_attention(
                 cast(self.q), cast(self.k), cast(self.v), self.keep.float(), torch.arange(total - q_len, total),
                 SINK, RECENT, D**-0.5, key_start=self.starts, key_padding_mask=self.pad, skip_zero_heads=True,
@@ -127,7 +137,7 @@ class _Run:
                     torch.ones_like(self.keep, dtype=torch.float32) if dense else self.keep.float(),
                     torch.tensor([p]),
                     SINK,
-                    p - self.recent_from,
+                    p + 1,  # every key is recent: the dense prompt (or dense)
                     D**-0.5,
                     key_start=self.starts,
                     key_padding_mask=self.pad[:, : p + 1],
@@ -206,7 +216,8 @@ def test_prefill_layout_and_storage():
     run = _Run(keep, [40])
     run.step(40)
     layer = run.layer
-    assert (layer.head_len, layer.mid_len, layer.tail_len) == (SINK, 40 - SINK - RECENT, RECENT)
+    recent_from = documented_recent_from(40, RECENT, ACCUMU)  # the next query's: what stays full
+    assert (layer.head_len, layer.mid_len, layer.tail_len) == (SINK, recent_from - SINK, 40 - recent_from)
     counts = keep.sum(-1)
     assert [k.shape[-1] for k in layer.mid_k] == [int(c) for c in counts if c > 0]  # runs of equal count
     assert layer.mid_v.shape[1] == int((counts > 0).sum())  # no V for the zero head
@@ -283,9 +294,8 @@ def test_batch_select_keeps_rows_consistent():
     cache.batch_select_indices(torch.tensor([1]))
     assert single.starts.tolist() == [6]
     batch_out, _ = run.step(1)
-    kwargs: dict = {}
-    single.update(run.k[1:, :, -1:], run.v[1:, :, -1:], kwargs=kwargs)
-    one, _ = leank_attention_forward(_Attn(), run.q[1:], None, None, None, scaling=D**-0.5, **kwargs)
+    kk, vv = offered_update(single, run.k[1:, :, -1:], run.v[1:, :, -1:], {})
+    one, _ = leank_attention_forward(_Attn(), run.q[1:], kk, vv, None, scaling=D**-0.5)
     assert _rel_err(one, batch_out[1:]) < 1e-5
 
 
@@ -365,11 +375,11 @@ def test_row_starts_come_from_position_ids():
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 1, 2, 3, 4, 5]])  # row 1: 4 pads
     k, v = torch.randn(2, HKV, 10, D), torch.randn(2, HKV, 10, D)
     layer.update(k, v, kwargs={"position_ids": pos})
-    assert layer.prefilling
+    assert layer.phase is Phase.PREFILLING
     assert layer.starts.tolist() == [0, 4]
     assert layer.head_len == 4 + SINK
     layer.update(k[:, :, :1], v[:, :, :1], kwargs={})
-    assert not layer.prefilling
+    assert layer.phase is not Phase.PREFILLING
 
 
 def test_padding_the_positions_do_not_show_is_refused():
@@ -380,7 +390,7 @@ def test_padding_the_positions_do_not_show_is_refused():
     q, k, v = run._rand(20)
     mask = sdpa_mask(batch_size=2, q_length=20, kv_length=20, q_offset=0, attention_mask=run.pad)
     kwargs: dict = {"position_ids": torch.arange(20).expand(2, 20)}
-    layer.update(k, v, kwargs=kwargs)
+    k, v = offered_update(layer, k, v, kwargs)
     with pytest.raises(ValueError, match="position_ids"):
         leank_attention_forward(_Attn(), q, k, v, mask, scaling=D**-0.5, **kwargs)
 
@@ -418,8 +428,9 @@ def test_an_accumulation_of_one_token_rolls_one_key_per_step(monkeypatch):
         out, _ = run.step(1)
         assert _rel_err(out, run.reference()) < 1e-5
         mids.append(run.layer.mid_len)
-    # prefill leaves RECENT (6) full keys; decode lets them grow to RECENT + 1, then rolls one key per step
-    assert [b - a for a, b in zip(mids, mids[1:], strict=False)] == [0, 0, 1, 1, 1, 1], mids
+    # the prefill leaves RECENT (6) full keys, the first query's own makes RECENT + 1; from the second query
+    # on, each step rolls one key
+    assert [b - a for a, b in zip(mids, mids[1:], strict=False)] == [0, 1, 1, 1, 1, 1], mids
     layer = LeanKLayer(_keep(), SINK, RECENT, 1)
     k = torch.randn(2, HKV, 12, D)
     got_k, got_v = layer.update(k, k)
@@ -467,21 +478,23 @@ def test_row_starts_from_the_hint_follow_expanded_rows():
     assert starts.starts.tolist() == [2, 2, 2, 0, 0, 0, 7, 7, 7]
 
 
-def test_crop_back_to_exactly_the_recent_start_is_allowed():
-    """Item 13: the tokens from ``recent_start`` on are uncompressed; crop may drop all of them (assisted
-    decoding can reach it), and not one more."""
+def test_crop_back_to_where_the_next_query_finds_its_keys_whole_is_allowed():
+    """Item 13: crop may drop every token whose loss still leaves the next query each key it scores with all
+    channels whole (assisted decoding can reach that length), and not one more."""
     for steps in (0, 3, 9):
         run = _Run(_keep(), [30])
         run.step(30)
         for _ in range(steps):
             run.step(1)
         layer = run.layer
-        n = layer.length - layer.recent_start
-        assert n >= RECENT
+        whole_from = layer.head_len + layer.mid_len
+        shortest = min(n for n in range(whole_from, layer.length + 1)
+                       if documented_recent_from(n, RECENT, ACCUMU) >= whole_from)
+        drop = layer.length - shortest
         with pytest.raises(ValueError, match="uncompressed"):
-            copy.deepcopy(layer).crop(-(n + 1))
-        layer.crop(-n)
-        assert layer.length == layer.recent_start and layer.tail_len == 0
+            copy.deepcopy(layer).crop(-(drop + 1))
+        layer.crop(-drop)
+        assert layer.length == shortest
 
 
 # ---- the positional rule -----------------------------------------------------------------------------
@@ -495,7 +508,7 @@ def test_positional_prefill_and_decode_equal_the_rule(lengths):
     rows reach a key at different steps), a head keeping nothing among them; compressions happen."""
     run = _Run(_keep(), lengths, rule="positional")
     out, _ = run.step(max(lengths))
-    assert run.layer.prefilling and not run.layer.dense_now
+    assert run.layer.phase is Phase.PREFILLING
     assert _rel_err(out, run.reference()) < 1e-5
     dense = leank_attention(run.q, run.k, run.v, torch.ones(HKV, D), torch.arange(max(lengths)), SINK, RECENT,
                             D**-0.5, key_start=run.starts, key_padding_mask=run.pad)

@@ -276,8 +276,8 @@ def test_card_statistics_carry_the_numbers_worked_out_by_hand(tmp_path):
 
 
 def test_card_says_the_rule_its_leank_rows_decoded_by(tmp_path):
-    """A run under the positional or dense-prompt rule (the vLLM plugin's two) says so above its table; rows without
-    a rule (older runs) say nothing about it."""
+    """A run under the positional or dense-prompt rule says so above its table, one under the retired dense-prefill
+    rule says that it is retired and why its rows stand; rows without a rule (older runs) say nothing about it."""
     from leank_infer.hub.card import write_model_card
 
     _mask_dir(tmp_path)
@@ -289,6 +289,12 @@ def test_card_says_the_rule_its_leank_rows_decoded_by(tmp_path):
     assert "Rule of the LeanK rows: positional (every query" in (tmp_path / "README.md").read_text()
     write_model_card(tmp_path, eval_results=[{**row, "metric_args": {"method": "leank", "rule": "dense-prompt"}}])
     assert "Rule of the LeanK rows: dense-prompt (the prompt attended densely" in (tmp_path / "README.md").read_text()
+    # rows measured under the retired rule say so, and why they stand
+    write_model_card(tmp_path, eval_results=[{**row, "metric_args": {"method": "leank", "rule": "dense-prefill"}}])
+    said = " ".join((tmp_path / "README.md").read_text().split())
+    assert ("Rule of the LeanK rows: dense-prefill (measured under the retired dense-prefill rule" in said
+            and "the rows stand for dense-prompt, the default, which gave the same answers on the measured probes"
+            in said)
 
 
 def test_a_figure_keeps_its_command_in_its_metadata_not_in_its_pixels(tmp_path, monkeypatch):

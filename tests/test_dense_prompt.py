@@ -36,9 +36,10 @@ def test_greedy_generate_equals_the_reference_loop(family):
     with torch.no_grad():
         full = model(ids, attention_mask=attn, position_ids=positions(attn)).logits[:, -1]
     torch.testing.assert_close(got.logits[0], full, atol=2e-5, rtol=1e-4)
-    for rule in ("dense-prefill", "positional"):
-        other = LeanKModel(model, mask, rule=rule).generate(ids, attention_mask=attn, **kw)
-        assert not torch.allclose(torch.stack(other.logits), torch.stack(got.logits), atol=1e-4), rule
+    other = LeanKModel(model, mask, rule="positional").generate(ids, attention_mask=attn, **kw)
+    assert not torch.allclose(torch.stack(other.logits), torch.stack(got.logits), atol=1e-4)
+    default = LeanKModel(model, mask).generate(ids, attention_mask=attn, **kw)  # the default rule is this one
+    assert torch.equal(default.sequences, got.sequences)
 
 
 def test_a_dense_prefill_fills_it_as_its_own_prefill_does():
@@ -68,10 +69,13 @@ def test_a_dense_prefill_fills_it_as_its_own_prefill_does():
     torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
-def test_dense_until_is_refused():
+def test_dense_until_works_under_it():
+    """dense_until is the default rule's short-context switch (tests/test_cache.py follows it step by step); the
+    positional rule, whose prompt is pruned too, refuses it."""
     mask = random_mask()
-    with pytest.raises(ValueError, match="dense_until=64 has no meaning under rule='dense-prompt'"):
-        LeanKCache(mask, dense_until=64, rule="dense-prompt")
+    assert LeanKCache(mask, dense_until=64, rule="dense-prompt").layers[0].dense_until == 64
+    with pytest.raises(ValueError, match="dense_until=64 has no meaning under rule='positional'"):
+        LeanKCache(mask, dense_until=64, rule="positional")
 
 
 def test_the_evaluation_answers_by_it_from_its_shared_dense_prefill(tmp_path):
@@ -86,7 +90,7 @@ def test_the_evaluation_answers_by_it_from_its_shared_dense_prefill(tmp_path):
     scores = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(1))
     mask = ChannelMask.from_scores(scores, 0.75, 4, sink_size=4, recent_size=8, accumu_size=4)
     mask_dir, _ = tiny_repo(tmp_path, family="qwen3", mask=mask)
-    lm = LeanKModel.from_pretrained(mask_dir)
+    lm = LeanKModel.from_pretrained(mask_dir, rule="positional")  # the method's own rule must win over the model's
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (64, 41, 57)]
     got = answer_batch(lm, [Learned(), Learned("leank-dp", rule="dense-prompt")], prompts, [16, 16, 16])

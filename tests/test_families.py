@@ -99,10 +99,9 @@ def leank_steps(lk: LeanKModel, ids: torch.Tensor, steps: int):
     """Greedy LeanK decoding by hand: (all tokens, logits of the prompt's last token and of each
     decoded one, the recent size each decode step must have used, the cache).
 
-    The recent sizes come from the documented schedule and the token positions alone, never from
+    The recent sizes come from the documented rule and the token positions alone, never from
     the cache under test."""
     cache = lk.new_cache()
-    n_prompt = ids.shape[1]
     logits = [lk(ids, cache=cache).logits[:, -1]]
     m = lk.mask
     recents = []
@@ -110,7 +109,7 @@ def leank_steps(lk: LeanKModel, ids: torch.Tensor, steps: int):
         ids = torch.cat([ids, logits[-1].argmax(-1, keepdim=True)], 1)
         logits.append(lk(ids[:, -1:], cache=cache).logits[:, -1])
         p = ids.shape[1] - 1  # the new token's position: it sees full keys [recent_from, p]
-        recent_from = documented_recent_from(n_prompt, p, m.recent_size, m.accumu_size)
+        recent_from = documented_recent_from(p, m.recent_size, m.accumu_size)
         assert m.recent_size <= p - recent_from <= m.recent_size + m.accumu_size
         recents.append(p - recent_from)
     return ids, logits, recents, cache

@@ -35,7 +35,7 @@ def test_the_positional_student_fixes_the_threshold_and_the_dense_one_leaves_it(
 
     calls = []
     monkeypatch.setattr(distill, "fix_mmap_threshold", lambda: calls.append(1) or True)
-    distill.LeanKDistillation.for_model(tiny_model(), stage=1, student_rule="dense-prefill")
+    distill.LeanKDistillation.for_model(tiny_model(), stage=1, student_rule="dense-prompt")
     assert calls == []
     distill.LeanKDistillation.for_model(tiny_model(), stage=1, student_rule="positional")
     assert calls == [1]

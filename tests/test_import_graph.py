@@ -13,10 +13,12 @@ PACKAGES = ("leank_infer", "leank_train")
 INFER_ORDER = ("folders", "mask", "hub", "decode", "model")
 # The only imports that reach up (deferred, inside a function): the Hub conveniences on the mask object
 # (docs/architecture.md, "The layers"), ChannelMask.from_pretrained (download a revision to a folder) and push_to_hub
-# (which writes a card for a bare mask, and the card reads the mask: publish sits above both).
+# (which writes a card for a bare mask, and the card reads the mask: publish sits above both), and the mask's bytes
+# after a prefill, which end where the rule says the next query's recent part begins (decode.rule, torch only).
 UPWARD = {
     ("leank_infer.mask.channel_mask", "leank_infer.hub.transfer"),
     ("leank_infer.mask.channel_mask", "leank_infer.hub.publish"),
+    ("leank_infer.mask.channel_mask", "leank_infer.decode.rule"),
 }
 # The console script: one `leank` command for inference and training, so it may load leank_train's commands
 # (and catch their errors) when they run, inside a function; never at import.

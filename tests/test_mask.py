@@ -151,8 +151,8 @@ def test_stats_counts_and_bytes():
     assert s["per_layer"] == [[8, 0], [0, 16]]
     assert s["bytes_per_token"]["dense"] == 2 * 2 * 2 * 16 * 2
     assert s["bytes_per_token"]["leank"] == 24 * 2 + 2 * 16 * 2
-    # after a prefill, sink + recent stay full, the rest is pruned
-    mask2 = ChannelMask(keep=keep, ratio=0.5, align=8, sink_size=4, recent_size=10)
+    # after a prefill, the sink and the next query's recent part (10 back, down to a multiple of 5) stay full
+    mask2 = ChannelMask(keep=keep, ratio=0.5, align=8, sink_size=4, recent_size=10, accumu_size=5)
     per = mask2.kv_bytes_per_token(torch.float32)
     assert mask2.kv_cache_bytes(100, 3, torch.float32) == 3 * (14 * per["dense"] + 86 * per["leank_middle"])
     assert mask2.kv_cache_bytes(12, 1, torch.float32) == 12 * per["dense"]  # nothing to prune

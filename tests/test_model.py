@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import documented_recent_from, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -164,7 +164,7 @@ def test_left_padded_batch_equals_each_prompt_alone(family):
 def _first_step_rule_attention(mask: ChannelMask):
     """An attention function: dense for every query but the last, which follows the LeanK rule over full K/V
     (middle keys scored with the kept channels only; a zero head skips them). Over a prompt + one token this
-    is what the first decode step after that prompt's prefill must compute (docs/rule.md, "The decode schedule"), from positions alone."""
+    is what the first decode step after that prompt's prefill must compute (docs/rule.md, "The rules"), from positions alone."""
     from leank_infer.decode.masked_attention import leank_attention
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -174,7 +174,7 @@ def _first_step_rule_attention(mask: ChannelMask):
         dense = leank_attention(*args, torch.ones(hkv, d), torch.arange(n), 0, 0, scaling)
         last = leank_attention(query[:, :, -1:], key, value, mask.keep[module.layer_idx].float(),
                                torch.tensor([n - 1]), mask.sink_size, mask.recent_size, scaling,
-                               skip_zero_heads=True)
+                               skip_zero_heads=True, accumu_size=mask.accumu_size)
         return torch.cat([dense[:, :-1], last], 1), None
 
     return attend
@@ -226,9 +226,9 @@ def test_kv_bytes_for_2048_tokens_follow_the_mask_formula():
 
 def test_kv_bytes_after_many_decode_steps_follow_the_schedule():
     """Through 40 decode steps (ten compressions), the cache holds exactly the rule's bytes: sink + r full
-    tokens and the rest pruned, r computed here from the sizes alone (docs/rule.md, "The decode schedule"): recent after the prefill;
-    before each new token joins, accumu of them move to the middle if r passed recent + accumu. So the
-    query at p sees full keys [p - r', p] with recent <= r' <= recent + accumu."""
+    tokens and the rest pruned, r computed here from the sizes and positions alone (docs/rule.md, "The rules"):
+    the query at p sees full keys [rf(p), p], rf(p) = recent keys back rounded down to a multiple of accumu,
+    so recent + 1 <= r <= recent + accumu."""
     model = tiny_model("llama")
     mask = random_mask(ratio=0.7)  # sink 4, recent 8, accumu 4
     lk = LeanKModel(model, mask)
@@ -238,16 +238,15 @@ def test_kv_bytes_after_many_decode_steps_follow_the_schedule():
     seen = []
     with torch.no_grad():
         logits = lk(ids, cache=cache).logits[:, -1]
-        r, total = mask.recent_size, 40
+        total = 40
         for _ in range(40):
             logits = lk(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
-            if r > mask.recent_size + mask.accumu_size:
-                r -= mask.accumu_size
-            total, r = total + 1, r + 1
+            total += 1
+            r = total - documented_recent_from(total - 1, mask.recent_size, mask.accumu_size)
             full = mask.sink_size + r
             assert cache.nbytes() == full * per["dense"] + (total - full) * per["leank_middle"], total
             seen.append(r)
-    assert min(seen) == mask.recent_size + 1 and max(seen) == mask.recent_size + mask.accumu_size + 1
+    assert min(seen) == mask.recent_size + 1 and max(seen) == mask.recent_size + mask.accumu_size
     assert cache.nbytes() < total * per["dense"]
 
 

@@ -120,7 +120,7 @@ def test_chunked_prefill_and_several_forwards_equal_one_prefill():
         got = lk.generate(ids, attention_mask=attn, prefill_chunk_size=chunk, **kw)
         assert torch.equal(got.sequences, whole.sequences), chunk
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(whole.logits), atol=2e-5, rtol=1e-4)
-    default = LeanKModel(model, mask).generate(ids, attention_mask=attn, prefill_chunk_size=7, **kw)
+    default = LeanKModel(model, mask).generate(ids, attention_mask=attn, **kw)  # dense-prompt: another rule
     assert not torch.allclose(torch.stack(default.logits), torch.stack(whole.logits), atol=1e-4)
 
     one, pieces = lk.new_cache(), lk.new_cache()
@@ -230,14 +230,18 @@ def test_crop_keeps_what_the_next_query_needs():
 
 
 def test_rule_options_are_checked():
-    """One clear error for an unknown rule, and for dense_until under the positional rule (it has no meaning
-    there: every query follows the rule from the prompt on); the default rule is unchanged."""
+    """One clear error for an unknown rule, for the retired one (naming its replacement), and for dense_until under
+    the positional rule (it has no meaning there: every query follows the rule from the prompt on); the default
+    rule is dense-prompt, the vLLM plugin's."""
     model = tiny_model("llama")
     mask = random_mask()
-    assert LeanKModel(model, mask).rule == "dense-prefill" == RULES[0]
-    assert LeanKModel(model, mask).new_cache().layers[0].rule == "dense-prefill"
-    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', 'dense-prompt', got 'vllm'"):
+    assert LeanKModel(model, mask).rule == "dense-prompt" == RULES[0]
+    assert LeanKModel(model, mask).new_cache().layers[0].rule == "dense-prompt"
+    with pytest.raises(ValueError, match="rule must be one of 'dense-prompt', 'positional', got 'vllm'"):
         LeanKModel(model, mask, rule="vllm")
+    for make in (lambda: LeanKModel(model, mask, rule="dense-prefill"), lambda: LeanKCache(mask, rule="dense-prefill")):
+        with pytest.raises(ValueError, match="rule 'dense-prefill' is retired: use 'dense-prompt'"):
+            make()
     for make in (lambda: LeanKModel(model, mask, dense_until=64, rule="positional"),
                  lambda: LeanKCache(mask, dense_until=64, rule="positional")):
         with pytest.raises(ValueError, match="dense_until=64 has no meaning under rule='positional'"):
@@ -265,7 +269,7 @@ def test_a_second_wrapper_decodes_with_its_own_rule():
 def test_evaluation_prefills_positional_methods_on_their_own(tmp_path):
     """The evaluation shares one dense prefill between methods; a method decoding by the positional rule prefills
     on its own (its prompt attends by its mask): each row's answer is that prompt's own ``generate`` under the
-    rule, alone and unpadded, next to the dense-prefill methods' answers of the same batch."""
+    rule, alone and unpadded, next to the dense-prompt methods' answers of the same batch."""
     from test_eval_scoring import _decode
     from test_model import tiny_repo
 
@@ -324,7 +328,7 @@ def test_rule_on_the_command_lines(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "--rule positional" in out and "rule positional" in out
     assert main(["bench", str(mask_dir), "--contexts", "64", "--dense-until", "32", "--rule", "positional"]) == 2
-    assert "no meaning under --rule positional" in capsys.readouterr().err
+    assert "no meaning under rule='positional'" in capsys.readouterr().err
     assert main(["generate", str(mask_dir), "--prompt", "w5", "--rule", "vllm"]) == 2
     assert "vllm" in capsys.readouterr().err
 
@@ -384,7 +388,7 @@ def test_eval_masks_answers_under_both_rules_on_the_same_probes(tmp_path):
     mask_dir, _ = tiny_repo(tmp_path, mask=random_mask(seed=1))
     out = tmp_path / "run.json"
     load_benchmark("eval_masks").main([str(mask_dir), "--lengths", "300", "--samples", "2", "--tasks", "passkey",
-                                       "--threads", "1", "--seed", "0", "--no-baselines", "--rules", "dense-prefill",
+                                       "--threads", "1", "--seed", "0", "--no-baselines", "--rules", "dense-prompt",
                                        "positional", "--json", str(out)])
     run = json.loads(out.read_text())
     assert run["methods"] == ["full", "leank-r50", "leank-r50-positional"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import documented_recent_from
 from test_families import reference_steps
 
 from leank_infer import ChannelMask, LeanKModel
@@ -477,10 +478,13 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 
 
 def check_against_rule(model, mask, rows, tokens, logits, recents, dtype):
-    """Each row's LeanK logits at every step equal the LeanK rule over full K/V for that row alone."""
+    """Each row's LeanK logits at every step equal the LeanK rule over full K/V for that row alone: the query at
+    position p of the row (counted from its first token) sees full keys from docs/rule.md's recent_from(p) on."""
     tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     for i, row in enumerate(rows):
-        want = reference_steps(model, tokens[i][None], len(row), mask, recents)
+        own = [p - documented_recent_from(p, mask.recent_size, mask.accumu_size)
+               for p in range(len(row), len(row) + len(recents))]
+        want = reference_steps(model, tokens[i][None], len(row), mask, own)
         for step, (got_b, want_b) in enumerate(zip(logits, want, strict=True)):
             torch.testing.assert_close(got_b[i : i + 1].float(), want_b.float(), msg=f"row {i} step {step}", **tol)
 
@@ -488,17 +492,18 @@ def check_against_rule(model, mask, rows, tokens, logits, recents, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_real_decode_at_reference_sizes(family):
-    """Real hidden size and attention, the mask's own sizes (sink 128, recent 768): a ~1k-token prompt
+    """Real hidden size and attention, the mask's own sizes (sink 128, recent 768, accumu 128): a ~1k-token prompt
     decodes as the LeanK rule, and the cache holds the bytes ChannelMask.stats() says (fp32)."""
     model = shrunk_model(family, torch.float32)
     mask = sliced_mask(family)
     assert (mask.sink_size, mask.recent_size) == (128, 768) and (mask.kept_counts == 0).any()
     lk = LeanKModel(model, mask)
-    rows = [prompt(930, seed=1)]
+    rows = [prompt(1050, seed=1)]
     tokens, logits, recents, regions, nbytes = padded_steps(lk, rows, 3)
-    assert regions == {"head": 128, "middle": 930 - 128 - 768, "tail": 768, "total": 930}
+    # the next query's recent part starts 768 back, rounded down to a multiple of 128: 256
+    assert regions == {"head": 128, "middle": 256 - 128, "tail": 1050 - 256, "total": 1050}
     per = mask.stats(dtype=torch.float32)["bytes_per_token"]
-    assert nbytes == (128 + 768) * per["dense"] + 34 * per["leank"] == mask.kv_cache_bytes(930, 1, torch.float32)
+    assert nbytes == (128 + 794) * per["dense"] + 128 * per["leank"] == mask.kv_cache_bytes(1050, 1, torch.float32)
     check_against_rule(model, mask, rows, tokens, logits, recents, torch.float32)
 
 

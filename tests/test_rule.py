@@ -1,23 +1,33 @@
 """The LeanK rule's small pieces on their own (leank_infer/rule.py), against values worked out by hand or
-from docs/rule.md ("Exact boundaries", "The decode schedule"); the decode and training tests exercise them only through their callers."""
+from docs/rule.md ("Exact boundaries", "The rules"); the decode and training tests exercise them only through their callers.
+Each rule's one-line description is written once (``RULE_DESCRIPTIONS``): every help text, docstring and docs table
+that describes the rules quotes it, which the last tests hold."""
 
+import inspect
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from leank_infer.decode.rule import (
+    DEFAULT_RULE,
+    RETIRED_RULES,
+    RULE_DESCRIPTIONS,
+    RULES,
+    RuleError,
     apply_softcap,
     check_rule,
-    decode_recent_from,
     default_scale,
     gqa_view,
     key_regions,
     positional_compressible,
-    prefill_recent_from,
-    recent_from,
     row_recent_from,
+    rules_help,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_scale_is_the_models_else_one_over_sqrt_head_dim():
@@ -47,42 +57,6 @@ def test_gqa_view_groups_query_heads_by_kv_head_and_names_a_bad_split():
     assert v[0, 1, :, 0, 0].tolist() == [3.0, 4.0, 5.0]  # query heads 3..5 use KV head 1
     with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 KV heads"):
         gqa_view(q, 4)
-
-
-def test_prefill_recent_from_keeps_the_last_recent_size_tokens_full():
-    assert prefill_recent_from(20, 8) == 12
-    assert prefill_recent_from(8, 8) == 0
-    assert prefill_recent_from(3, 8) == 0
-
-
-def _schedule_by_loop(prefill: int, length: int, recent: int, accumu: int) -> int:
-    """The decode schedule of docs/rule.md, token by token: while the full recent part holds more than
-    recent + accumu keys, its oldest accumu keys go to the middle."""
-    start = max(0, prefill - recent)
-    for n in range(prefill, length + 1):  # before the token that makes the cache n + 1 long
-        while n - start > recent + accumu:
-            start += accumu
-    return start
-
-
-@pytest.mark.parametrize("recent,accumu", [(8, 4), (4, 1), (5, 3)])
-def test_decode_schedule_closed_form_equals_the_loop(recent, accumu):
-    for prefill in range(0, 30):
-        for length in range(prefill, 60):
-            got = recent_from(prefill, length, recent, accumu)
-            assert got == _schedule_by_loop(prefill, length, recent, accumu), (prefill, length)
-            # a query then sees between recent and recent + accumu full keys (fewer only while the cache is short)
-            assert length - got <= recent + accumu
-            assert length - got >= min(length, recent)
-
-
-def test_decode_recent_from_by_hand():
-    # 12 full keys = recent 8 + accumu 4: nothing moves yet; 13: the oldest 4 move to the middle
-    assert decode_recent_from(0, 12, 8, 4) == 0
-    assert decode_recent_from(0, 13, 8, 4) == 4
-    assert decode_recent_from(4, 17, 8, 4) == 8
-    # a prefill of 4 tokens (all recent): the first roll comes when the cache holds 13 tokens
-    assert recent_from(4, 12, 8, 4) == 0 and recent_from(4, 13, 8, 4) == 4
 
 
 def test_key_regions_by_hand():
@@ -117,7 +91,95 @@ def test_positional_compressible_is_the_lowest_rows_recent_from():
 
 
 def test_check_rule_names_the_rules():
-    for rule in ("positional", "dense-prefill", "dense-prompt"):
+    assert RULES == ("dense-prompt", "positional") and DEFAULT_RULE == RULES[0]
+    for rule in RULES:
         assert check_rule(rule) == rule
-    with pytest.raises(ValueError, match="rule must be one of 'dense-prefill', 'positional', 'dense-prompt', got 'dense'"):
+    with pytest.raises(RuleError, match="rule must be one of 'dense-prompt', 'positional', got 'dense'"):
         check_rule("dense")
+
+
+def test_a_retired_rule_names_its_replacement_and_why():
+    """One ValueError for the retired name, wherever it comes from: the replacement, what it does, and why."""
+    with pytest.raises(ValueError, match=r"rule 'dense-prefill' is retired: use 'dense-prompt' \(the prompt attends "
+                                         r"with every channel, each generated token by its position\); its decode "
+                                         r"schedule was anchored at the prompt's end"):
+        check_rule("dense-prefill")
+    assert set(RETIRED_RULES) == {"dense-prefill"} and not set(RETIRED_RULES) & set(RULES)
+
+
+def _said(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _rule_texts() -> dict[str, str]:
+    """Every place that describes the rules to a user: CLI help (the docstrings the parsers read), the docstrings
+    the API reference renders, and docs/rule.md's table."""
+    from leank_infer import LeanKModel
+    from leank_infer.bench import bench
+    from leank_infer.decode.cache import LeanKCache
+    from leank_infer.generate_cli import generate
+    from leank_train.distill.module import LeanKDistillation
+    from leank_train.evaluate import eval_command
+    from leank_train.recipe import Recipe
+
+    docs = (ROOT / "docs" / "rule.md").read_text()
+    table = docs[docs.index("## The rules"):]
+    table = re.sub(r"\]\([^)]*\)", "]", table[: table.index("\n### The retired rule")])  # links' targets aside
+    return {
+        "leank bench --rule": inspect.getdoc(bench), "leank generate --rule": inspect.getdoc(generate),
+        "leank eval --rule": inspect.getdoc(eval_command), "leank run --student_rule": inspect.getdoc(Recipe),
+        "LeanKDistillation(student_rule)": inspect.getdoc(LeanKDistillation.__init__),
+        "LeanKModel": inspect.getdoc(LeanKModel), "LeanKCache": inspect.getdoc(LeanKCache),
+        "benchmarks/eval_masks.py --rules": rules_help(), "docs/rule.md": table,
+    }
+
+
+PLACES = ["leank bench --rule", "leank generate --rule", "leank eval --rule", "leank run --student_rule",
+          "LeanKDistillation(student_rule)", "LeanKModel", "LeanKCache", "benchmarks/eval_masks.py --rules",
+          "docs/rule.md"]
+
+
+def test_the_places_are_all_checked():
+    assert sorted(_rule_texts()) == sorted(PLACES)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_every_place_that_describes_the_rules_quotes_the_one_description(place):
+    """Each rule's description is written once, in ``RULE_DESCRIPTIONS``: a help text, an API docstring or the
+    docs table that describes the rules says each word for word (so none can drift), names the default, and
+    offers no retired rule."""
+    text = _said(_rule_texts()[place])
+    for rule, description in RULE_DESCRIPTIONS.items():
+        assert rule in text, f"{place} does not name {rule}"
+        assert _said(description) in text, f"{place} does not say, word for word: {rule}: {description}"
+    assert "the default" in text
+    for retired in RETIRED_RULES:
+        assert retired not in text, f"{place} still offers the retired {retired}"
+
+
+def test_the_cli_help_shows_the_description():
+    """What a user reads: ``leank bench --help`` (jsonargparse over the docstring) carries the description."""
+    from leank_infer.bench import bench
+    from leank_infer.cli import command_parser
+
+    text = _said(command_parser(bench, "leank bench").format_help())
+    for description in RULE_DESCRIPTIONS.values():
+        assert _said(description) in text
+
+
+def test_the_retired_name_is_one_error_line_on_every_command(capsys):
+    """``--rule``/``--student_rule dense-prefill``: exit 2 and one line naming the replacement, before anything loads
+    (``leank run``'s recipe check, ``leank bench`` before its model)."""
+    from leank_infer.cli import main
+    from leank_train.distill.module import LeanKDistillation
+    from leank_train.errors import RecipeError
+    from leank_train.recipe_checks import student_rule_problem
+
+    assert main(["bench", "--rule", "dense-prefill", "--contexts", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leank bench: error: --rule: rule 'dense-prefill' is retired: use 'dense-prompt'")
+    assert len(err.splitlines()) == 1
+    assert student_rule_problem("dense-prompt") is None and student_rule_problem("positional") is None
+    assert "use 'dense-prompt'" in student_rule_problem("dense-prefill")
+    with pytest.raises(RecipeError, match="model.student_rule: rule 'dense-prefill' is retired: use 'dense-prompt'"):
+        LeanKDistillation(student_rule="dense-prefill")

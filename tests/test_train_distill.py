@@ -161,7 +161,7 @@ def test_stage2_channel_scale_keeps_the_sliding_layer_whole(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_the_positional_student_is_the_rule_the_vllm_plugin_serves(tmp_path, family):
     """student_rule="positional": the student's answer states are those of LeanKModel(rule="positional") over
-    the whole sequence with the exported mask (every prompt query pruned too), not the dense-prefill student's;
+    the whole sequence with the exported mask (every prompt query pruned too), not the dense-prompt student's;
     and its loss has its own gradient on alpha, which points downhill."""
     from leank_infer import LeanKModel
 
@@ -188,9 +188,9 @@ def test_the_positional_student_is_the_rule_the_vllm_plugin_serves(tmp_path, fam
         assert not torch.allclose(dense.hidden_states(ids, context)[1], student, atol=1e-4)
         assert not torch.allclose(teacher, student, atol=1e-4)
     # stage 1 (alpha continuous, reg 0): the positional loss has a gradient that points downhill, and it is not the
-    # dense-prefill student's (the prompt's pruned queries are part of it)
+    # dense-prompt student's (the prompt's pruned queries are part of it)
     grads = {}
-    for rule in ("positional", "dense-prefill"):
+    for rule in ("positional", "dense-prompt"):
         m = LeanKDistillation.for_model(model, reg_weight=0.0, student_rule=rule, accumu_size=4, **SIZES)
         with torch.no_grad():
             m.alpha.fill_(0.5)
@@ -200,7 +200,7 @@ def test_the_positional_student_is_the_rule_the_vllm_plugin_serves(tmp_path, fam
     grad = grads["positional"]
     dense_layers = list(m.dense_layers)
     assert torch.count_nonzero(grad[dense_layers]) == 0 if dense_layers else True
-    assert not torch.allclose(grad, grads["dense-prefill"], rtol=1e-2)
+    assert not torch.allclose(grad, grads["dense-prompt"], rtol=1e-2)
     with torch.no_grad():
         m.alpha.fill_(0.5)
         start, base = m.alpha.clone(), _distill(m, batch)

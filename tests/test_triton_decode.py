@@ -202,9 +202,11 @@ def test_real_cache_layer_layout():
     layer = LeanKLayer(_keep([0, 16, 32], d, gen), sink_size=4, recent_size=8, accumu_size=4)
     k = torch.randn(b, hkv, total, d, generator=gen).half()
     v = torch.randn(b, hkv, total, d, generator=gen).half()
-    pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [5]])
-    layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})  # row 1 left-padded by 5
-    assert layer.starts.tolist() == [0, 5]
+    # row 1 left-padded by 8, a multiple of accumu_size: the rows' recent parts start together (padding by other
+    # amounts scores some tail keys with the kept channels, which the kernel leaves to the PyTorch path)
+    pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [8]])
+    layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})
+    assert layer.starts.tolist() == [0, 8]
     for _ in range(6):
         layer.update(torch.randn(b, hkv, 1, d, generator=gen).half(), torch.randn(b, hkv, 1, d, generator=gen).half())
     assert layer.mid_k[0].stride(1) != layer.mid_len * layer.mid_k[0].shape[-1]  # spare capacity: not compact
@@ -230,13 +232,14 @@ def test_quantised_middle_in_the_kernel(dtype, fmt, padded):
     quant = {"int8": KVQuant("int8", 8, 16, 16), "int4": KVQuant("int4", 4, 16, 8),
              "int4-k8": KVQuant("int4", 4, 8, 32)}[fmt]
     b, hkv, g, d, total = 2, 3, 2, 32, 70
-    layer = LeanKLayer(_keep([0, 17, 6], d, gen), sink_size=4, recent_size=8, accumu_size=4, kv_quant=quant)
+    # sink 3: a first middle write of 4m - 3 tokens, so a K group phase whatever the group
+    layer = LeanKLayer(_keep([0, 17, 6], d, gen), sink_size=3, recent_size=8, accumu_size=4, kv_quant=quant)
     k = torch.randn(b, hkv, total, d, generator=gen).to(dtype)
     v = torch.randn(b, hkv, total, d, generator=gen).to(dtype)
-    shift = 5 if padded else 0
+    shift = 8 if padded else 0  # a multiple of accumu_size (see test_real_cache_layer_layout)
     pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [shift]])
     layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})
-    for _ in range(7):
+    for _ in range(6):  # the last roll leaves a K group of 8 half-filled (int4-k8: an open group)
         layer.update(torch.randn(b, hkv, 1, d, generator=gen).to(dtype), torch.randn(b, hkv, 1, d, generator=gen).to(dtype))
     st = layer._quant
     assert st.phase > 0 and layer.layout().quant is not None

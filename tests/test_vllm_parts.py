@@ -7,20 +7,21 @@ import torch
 
 from leank_infer import MaskError
 from leank_infer.decode.cache import LeanKLayer
-from leank_infer.decode.rule import recent_from
+from leank_infer.decode.rule import positional_recent_from
 from leank_infer.vllm.layout import PackedLayout
 from leank_infer.vllm.settings import ENV_MASK, LeanKSettings, settings_from
 
 
 @pytest.mark.parametrize("prefill", [1, 5, 20, 23, 40])
 def test_recent_start_follows_the_hf_cache(prefill):
-    """The dense-prefill rule's closed form gives the HF cache layer's recent start at every decode step."""
+    """The rule's recent start from the position alone is the HF cache layer's at every decode step (whatever the
+    prompt's length)."""
     sink, recent, accumu = 4, 8, 3
     layer = LeanKLayer(torch.ones(2, 8, dtype=torch.bool), sink, recent, accumu)
     layer.update(torch.randn(1, 2, prefill, 8), torch.randn(1, 2, prefill, 8))
     for length in range(prefill, prefill + 30):
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-        assert layer.recent_start == recent_from(prefill, length, recent, accumu), length
+        assert layer.recent_start == positional_recent_from(length, recent, accumu), length
 
 
 def test_packed_rows_hold_kept_k_and_v_of_heads_keeping_any():

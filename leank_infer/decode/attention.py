@@ -1,16 +1,21 @@
 """The ``"leank"`` attention implementation: the seam between transformers and the decode core.
 
-``leank_attention_forward`` is registered with transformers' ``AttentionInterface``. Without a
-LeanK cache layer in its kwargs (no LeanK cache, or a layer the mask keeps dense), and for the
-forward that fills an empty LeanK layer (the prefill: full attention under the default ``"dense-prefill"``
-rule), it is the model's own dense attention (:func:`dense_attention`); under the ``"positional"`` rule that
-prefill follows the rule instead (:func:`~leank_infer.decode.positional_prefill.positional_prefill_attention`,
-over the K/V as given). A step of a layer still under its ``dense_until``
-(:class:`~leank_infer.decode.cache.LeanKCache`), which hands over every token's full K/V, is dense too. Otherwise it reads the
-layer's :class:`~leank_infer.decode.layout.DecodeLayout` and the step's masks and calls the backend dispatcher
-(:func:`leank_infer.decode.backend.decode_attention`). It never changes the cache: the cache compresses
-itself in its ``update``. Its mask function is SDPA's, so the model hands it a bool mask (or None).
-Past keys from a cache that is not a LeanK cache raise
+``leank_attention_forward`` is registered with transformers' ``AttentionInterface``. It learns the LeanK
+cache layer of its call from :mod:`~leank_infer.decode.layer_handoff` (transformers hands an attention function
+no cache: docs/architecture.md, "What the transformers API cannot carry") and picks its path from the layer's
+:class:`~leank_infer.decode.layout.Phase`:
+
+- no LeanK layer (no LeanK cache, or a layer the mask keeps dense): the model's own dense attention
+  (:func:`dense_attention`);
+- ``PREFILLING``, the forward that fills an empty layer: dense under ``"dense-prompt"``; under ``"positional"``
+  :func:`~leank_infer.decode.positional_prefill.positional_prefill_attention`, over the K/V as given;
+- ``DENSE_UNTIL``, a step of a layer still under its ``dense_until``, which hands over every token's full K/V:
+  dense;
+- ``COMPRESSED``: the layer's :class:`~leank_infer.decode.layout.DecodeLayout` and the step's masks, through
+  the backend dispatcher (:func:`leank_infer.decode.backend.decode_attention`).
+
+It never changes the cache: the cache compresses itself in its ``update``. Its mask function is SDPA's, so
+the model hands it a bool mask (or None). Past keys from a cache that is not a LeanK cache raise
 :class:`~leank_infer.decode.layer_handoff.LeanKCacheError` (it never decodes dense silently).
 """
 
@@ -22,9 +27,9 @@ import torch
 
 from . import layer_handoff
 from .backend import decode_attention
-from .layout import allowed_from_mask, row_starts
+from .layout import Phase, allowed_from_mask, row_starts
 from .positional_prefill import positional_prefill_attention
-from .rule import default_scale, gqa_view
+from .rule import POSITIONAL, default_scale, gqa_view
 from .torch_decode import finish, masked, partial, scores
 
 ATTN_IMPLEMENTATION = "leank"
@@ -90,27 +95,27 @@ def leank_attention_forward(
     without a LeanK layer and take the dense path. A ``softcap`` (Gemma 2) is honoured on every
     path: :func:`softcapped_attention` instead of SDPA, and inside the LeanK decode.
     """
-    layer = kwargs.pop("leank_layer", None)
-    fed_by_leank_cache, offered = layer_handoff.take(key)
-    layer = offered if layer is None else layer
+    fed_by_leank_cache, layer = layer_handoff.take(key)
     softcap = kwargs.pop("softcap", None)
     scaling = default_scale(query.shape[-1], scaling)
-    if layer is None and not fed_by_leank_cache and key.shape[2] > query.shape[2]:
-        # past keys from another kind of cache: a decode step that would silently run dense
-        raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
-    if layer is not None and layer.prefilling and layer.positional_prompt:  # the prompt by the rule, over its whole K/V
+    if layer is None:
+        if not fed_by_leank_cache and key.shape[2] > query.shape[2]:
+            # past keys from another kind of cache: a decode step that would silently run dense
+            raise layer_handoff.LeanKCacheError(layer_handoff.NOT_A_LEANK_CACHE)
+        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
+    if layer.phase is Phase.COMPRESSED:
+        masks = layer.decode_masks(attention_mask, query.shape[2])
+        return decode_attention(query, layer.layout(), masks, scaling, softcap), None
+    if layer.length == query.shape[2]:  # the prefill (PREFILLING, or DENSE_UNTIL below its threshold)
         _check_row_starts(layer, attention_mask, query.shape[0])
+    if layer.phase is Phase.PREFILLING and layer.rule == POSITIONAL:  # the prompt by the rule, over its whole K/V
         out = positional_prefill_attention(
             query, key, value, layer.groups.keep, layer.starts, layer.sink_size, layer.recent_size,
             layer.accumu_size, scaling, softcap, attention_mask,
         )
         return out, None
-    if layer is None or layer.dense_now:  # no LeanK layer, the prefill, or a step under the cache's dense_until
-        if layer is not None and layer.prefilling:
-            _check_row_starts(layer, attention_mask, query.shape[0])
-        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
-    masks = layer.decode_masks(attention_mask, query.shape[2])
-    return decode_attention(query, layer.layout(), masks, scaling, softcap), None
+    # the dense-prompt prefill, or a step under the cache's dense_until
+    return dense_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs)
 
 
 def _check_row_starts(layer: Any, attention_mask: torch.Tensor | None, batch: int) -> None:

@@ -7,35 +7,31 @@ Per layer, in padded (left-padding) coordinates ``[0, T)`` (see :mod:`leank_infe
   equal kept count (``[B, Hg, n, c]`` views of channel-major storage), V only for heads that keep any channel,
 - tail ``[M, T)``, all channels: the recent tokens, new tokens are appended here.
 
-The layer owns its state changes: the prefill update compresses at once (the attention of the
-prefill runs on the K/V it was given), and before each later update the full recent part
-``[R, T)`` gives its oldest ``accumu_size`` tokens to the middle while it holds more than
-``recent_size + accumu_size`` (:func:`~leank_infer.decode.rule.decode_recent_from`). The attention only
-reads :meth:`LeanKLayer.layout`.
+The layer's state is its rule and its :class:`Phase`. The prefill update compresses at once (the attention
+of the prefill runs on the K/V it was given), and before each later update the layer moves to the middle
+every key that is a middle key for the next query of every row
+(:func:`~leank_infer.decode.rule.positional_compressible`). The attention only reads :meth:`LeanKLayer.layout`.
 
 Storage is preallocated: head and tail share one ``[B, Hkv, cap, D]`` buffer sized for
-``head + recent + accumu + 1`` tokens (a decode step writes one slot; every ``accumu_size`` steps
-the tail shifts down by ``accumu_size``), the middle grows in chunks of :data:`MID_CHUNK` tokens.
-Row starts come from ``position_ids`` (generate numbers each row's real tokens from 0).
+``head + recent + accumu + 1`` tokens (:meth:`LeanKLayer._full_capacity`: a decode step writes one slot;
+every ``accumu_size`` steps the tail shifts down by ``accumu_size``), the middle grows in chunks of
+:data:`MID_CHUNK` tokens. Row starts come from ``position_ids`` (generate numbers each row's real tokens from 0).
 
-``rule`` (:data:`~leank_infer.decode.rule.RULES`): ``"dense-prefill"`` (the default) is the above: the
-prompt's attention is dense and the schedule is anchored at the prompt's end. ``"positional"`` makes every
-query follow :func:`~leank_infer.decode.rule.positional_recent_from`, a function of its position alone: the
-prompt's attention too (:mod:`~leank_infer.decode.positional_prefill`, over the K/V as given), and before
-each update the layer moves to the middle every key that is a middle key for the next query of every row
-(:func:`~leank_infer.decode.rule.positional_compressible`). With left padding, rows reach a key at
-different steps: a tail key that is already middle for some row is scored with the kept channels there
-(``DecodeMasks.tail_mid``). Several tokens at once (chunked prefill, assisted decoding) then give what one
-prefill gives. ``"dense-prompt"`` is the positional rule with a dense prompt: the forward that fills the empty
-layer attends with every channel (as under ``"dense-prefill"``), every later query by its position (as under
-``"positional"``); it is what the vLLM plugin serves by default.
+``rule`` (:data:`~leank_infer.decode.rule.RULES`, described in
+:data:`~leank_infer.decode.rule.RULE_DESCRIPTIONS`): every generated query follows
+:func:`~leank_infer.decode.rule.positional_recent_from`, a function of its position alone. Under
+``"dense-prompt"`` (the default) the forward that fills the empty layer attends with every channel; under
+``"positional"`` it follows the rule too (:mod:`~leank_infer.decode.positional_prefill`, over the K/V as
+given). With left padding, rows reach a key at different steps: a tail key that is already middle for some
+row is scored with the kept channels there (``DecodeMasks.tail_mid``). Several tokens at once (chunked
+prefill, assisted decoding) then give what one prefill gives.
 
-``dense_until`` (default 0: off) is the documented switch for short contexts: while a layer holds
-fewer tokens than that (padded length, before a forward's new tokens), it keeps every token's full
-K/V and its attention is the model's dense one, no memory saved; the first forward at or past it
-compresses the layer to exactly the state the schedule would have reached (the middle is
-``[head, recent_start)``, the schedule's ``recent_start`` is tracked all along) and decodes by the
-LeanK rule from then on. On a CPU at batch 1 below ~1.5k tokens the dense step is the faster one
+``dense_until`` (default 0: off; ``"dense-prompt"`` only) is the documented switch for short contexts:
+while a layer holds fewer tokens than that (padded length, before a forward's new tokens), it keeps every
+token's full K/V and its attention is the model's dense one, no memory saved (``Phase.DENSE_UNTIL``); the
+first forward at or past it compresses the layer to exactly the state the rule would have reached (the
+middle is ``[head, recent_start)``, and ``recent_start`` depends on the length alone) and decodes by the
+rule from then on. On a CPU at batch 1 below ~1.5k tokens the dense step is the faster one
 (docs/speed.md); the saving then starts at ``dense_until`` tokens.
 """
 
@@ -57,16 +53,9 @@ from ..mask import ChannelMask, dense_layers_of, model_positions
 from . import layer_handoff
 from .attention import ATTN_IMPLEMENTATION
 from .kv_quant import KVQuant, kv_quant_format
-from .layout import ChannelGroups, DecodeLayout, DecodeMasks, decode_masks
+from .layout import ChannelGroups, DecodeLayout, DecodeMasks, Phase, decode_masks
 from .quant_middle import QuantMiddleStore
-from .rule import (
-    DENSE_PREFILL,
-    POSITIONAL,
-    check_rule,
-    decode_recent_from,
-    positional_compressible,
-    prefill_recent_from,
-)
+from .rule import DEFAULT_RULE, DENSE_PROMPT, POSITIONAL, check_rule, positional_compressible
 
 MID_CHUNK = 64  # middle capacity grows by this many tokens: a copy of the middle every 64 tokens, <= 64 spare
 MID_ALIGN = 16  # middle capacity is a multiple of this: the GPU kernel then moves channel-major K as full vectors
@@ -75,12 +64,38 @@ MID_ALIGN = 16  # middle capacity is a multiple of this: the GPU kernel then mov
 def check_rule_options(rule: str, dense_until: int) -> str:
     """``rule`` if it is a known rule and ``dense_until`` fits it, else one ValueError saying what is wrong."""
     check_rule(rule)
-    if rule != DENSE_PREFILL and dense_until:
+    if rule == POSITIONAL and dense_until:
         raise ValueError(
-            f"dense_until={dense_until} has no meaning under rule={rule!r}: every generated query follows the "
-            f"rule by its position from the first on; use dense_until=0, or rule={DENSE_PREFILL!r}"
+            f"dense_until={dense_until} has no meaning under rule={rule!r}: its prompt is pruned too, so no "
+            f"forward is dense; use dense_until=0, or rule={DENSE_PROMPT!r} (the default)"
         )
     return rule
+
+
+class StepMasks:
+    """The region masks of one forward, computed once for every LeanK layer of a cache.
+
+    All LeanK layers of a cache hold the same token layout (lengths, row starts, recent start), so the
+    masks of a step are the same for each: the cache makes one of these and gives it to each layer it builds.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._attention_mask: torch.Tensor | None = None
+        self._masks: DecodeMasks | None = None
+
+    def get(self, layout: DecodeLayout, attention_mask: torch.Tensor | None, q_len: int) -> DecodeMasks:
+        """The masks of ``layout``'s step (:func:`~leank_infer.decode.layout.decode_masks`), reused while the
+        layout's geometry and the model's mask object are those of the last call."""
+        key = (layout.length, q_len, layout.head_len, layout.mid_len, layout.recent_from)
+        if self._masks is None or self._key != key or self._attention_mask is not attention_mask:
+            self._key, self._attention_mask = key, attention_mask
+            self._masks = decode_masks(layout, attention_mask, q_len)
+        return self._masks
+
+    def clear(self) -> None:
+        """Forget the last step's masks (the layout changed under them: a new prefill, a batch reordered)."""
+        self._key = self._attention_mask = self._masks = None
 
 
 def mid_capacity(n: int) -> int:
@@ -126,7 +141,11 @@ def _batch_map(t: torch.Tensor, fn: Any) -> torch.Tensor:
 
 
 class LeanKLayer(CacheLayerMixin):
-    """One layer of a :class:`LeanKCache` (see the module docstring for the layout)."""
+    """One layer of a :class:`LeanKCache` (see the module docstring for the layout).
+
+    Its state is the ``rule`` it decodes by and its :class:`Phase`; ``update`` moves it along
+    ``EMPTY -> PREFILLING | DENSE_UNTIL -> COMPRESSED``, the attention only reads it.
+    """
 
     is_compileable = False
     # crop() drops tokens appended since the last compression (what assisted decoding rolls back) and
@@ -141,9 +160,9 @@ class LeanKLayer(CacheLayerMixin):
         recent_size: int,
         accumu_size: int,
         config: Any = None,
-        shared: dict | None = None,
+        step_masks: StepMasks | None = None,
         dense_until: int = 0,
-        rule: str = DENSE_PREFILL,
+        rule: str = DEFAULT_RULE,
         kv_quant: str | KVQuant | None = None,
     ):
         super().__init__()
@@ -152,8 +171,7 @@ class LeanKLayer(CacheLayerMixin):
             raise ValueError(f"dense_until must be >= 0 tokens, got {dense_until}")
         self.rule = check_rule_options(rule, dense_until)
         self.dense_until = int(dense_until)
-        # all layers of a cache hold the same token layout: they share the decode masks of a step
-        self._shared = {} if shared is None else shared
+        self.step_masks = StepMasks() if step_masks is None else step_masks
         self.groups = ChannelGroups.from_keep(keep)
         self.sink_size, self.recent_size, self.accumu_size = sink_size, recent_size, accumu_size
         self._config = config
@@ -165,33 +183,15 @@ class LeanKLayer(CacheLayerMixin):
         self._quant: QuantMiddleStore | None = None  # the middle, when kv_quant quantises it
         self.head_len = self.tail_len = self.mid_len = 0
         self.starts: torch.Tensor | None = None
-        self.padded = False
-        self.head_target = self.sink_size
-        self.recent_start = 0
+        self.padded = False  # some row starts after 0 (left padding)
+        self.head_target = self.sink_size  # the head holds every row's sink: the last row's start + sink_size
+        self.recent_start = 0  # keys below it (and past the head) are middle keys for every row's next query
         self.length = 0
-        self.prefilling = False  # True during the forward that filled the empty layer (its attention is dense)
-        self.deferred = False  # True while nothing is compressed yet under ``dense_until`` (dense attention)
+        self.phase = Phase.EMPTY
         self.starts_hint: torch.Tensor | None = None  # row starts when the prefill has no position_ids
         self.is_initialized = False
 
     # ---- sizes and views -----------------------------------------------------------------------
-    @property
-    def positional(self) -> bool:
-        """Whether this layer's decoding queries follow :func:`~leank_infer.decode.rule.positional_recent_from`
-        (the ``"positional"`` and ``"dense-prompt"`` rules) rather than the schedule anchored at the prompt's end."""
-        return self.rule != DENSE_PREFILL
-
-    @property
-    def positional_prompt(self) -> bool:
-        """Whether the prompt's own attention follows the rule too (``"positional"``), rather than being dense."""
-        return self.rule == POSITIONAL
-
-    @property
-    def dense_now(self) -> bool:
-        """Whether this forward's attention is the model's dense one: the prefill (every rule but positional),
-        or a step under ``dense_until``."""
-        return (self.prefilling and not self.positional_prompt) or self.deferred
-
     @property
     def head_k(self) -> torch.Tensor:
         return self._full_k[:, :, : self.head_len]
@@ -242,7 +242,7 @@ class LeanKLayer(CacheLayerMixin):
             self.recent_start,
             self.length,
             self.padded,
-            (self.recent_size, self.accumu_size) if self.positional else None,
+            (self.recent_size, self.accumu_size),
             quant,
         )
 
@@ -250,11 +250,7 @@ class LeanKLayer(CacheLayerMixin):
         """Region masks of this step (:func:`~leank_infer.decode.layout.decode_masks`), built once per step for all layers."""
         if attention_mask is None and q_len == 1 and not self.padded:
             return DecodeMasks()
-        key = (self.length, q_len, self.head_len, self.mid_len, self.recent_start)
-        memo = self._shared
-        if memo.get("key") != key or memo.get("mask") is not attention_mask:
-            memo.update(key=key, mask=attention_mask, masks=decode_masks(self.layout(), attention_mask, q_len))
-        return memo["masks"]
+        return self.step_masks.get(self.layout(), attention_mask, q_len)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -294,14 +290,15 @@ class LeanKLayer(CacheLayerMixin):
 
     # ---- filling -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, hkv, _, d = key_states.shape
-        if (hkv, d) != tuple(self.groups.keep.shape):
+        batch, kv_heads, _, head_dim = key_states.shape
+        if (kv_heads, head_dim) != tuple(self.groups.keep.shape):
             raise ValueError(
-                f"LeanK cache layer expects {tuple(self.groups.keep.shape)} (kv_heads, head_dim) keys, got {(hkv, d)}"
+                f"LeanK cache layer expects {tuple(self.groups.keep.shape)} (kv_heads, head_dim) keys, "
+                f"got {(kv_heads, head_dim)}"
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.groups = self.groups.to(self.device)
-        self.starts = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.starts = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def update(
@@ -312,32 +309,30 @@ class LeanKLayer(CacheLayerMixin):
         kwargs: dict | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new K/V; returns what the attention of this forward reads.
+        """Store new K/V; returns what the attention of this forward reads (see :class:`Phase`).
 
-        Prefill (an empty layer): compressed at once; its attention runs on the K/V given, returned
-        as they are. Later: the schedule's compression, then the new tokens join the head (until it
-        holds every row's sink) or the tail. ``kwargs`` is the attention kwargs dict of the calling
-        module: the layer puts itself there as ``leank_layer`` for the ``"leank"`` attention to read.
+        Prefill (an empty layer): compressed at once (``PREFILLING``; its attention runs on the K/V given,
+        returned as they are), or kept whole while shorter than ``dense_until`` (``DENSE_UNTIL``). Later:
+        the rule's compression, then the new tokens join the head (until it holds every row's sink) or the
+        tail. ``kwargs`` is the attention kwargs dict of the calling module (transformers 5.20+): the prefill
+        reads its ``position_ids`` there.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if isinstance(kwargs, dict):
-            kwargs["leank_layer"] = self
-        self.prefilling = self.length == 0
-        if self.prefilling:
+        if self.phase is Phase.EMPTY:
             positions = kwargs.get("position_ids") if isinstance(kwargs, dict) else None
             self._prefill(key_states, value_states, positions)
             return key_states, value_states
         self._check_attention()
-        self.recent_start = self._next_recent_start()
-        if self.deferred and self.length >= self.dense_until:
-            self._compress_deferred()
-        if not self.deferred:
+        self.recent_start = positional_compressible(self.length, self.starts, self.recent_size, self.accumu_size)
+        if self.phase is Phase.PREFILLING or (self.phase is Phase.DENSE_UNTIL and self.length >= self.dense_until):
+            self._compress()
+        if self.phase is Phase.COMPRESSED:
             self._roll()
         self._append(key_states, value_states)
-        if self.deferred:  # dense attention over every token so far, read in place
-            n = self.head_len + self.tail_len
-            return self._full_k.narrow(2, 0, n), self._full_v.narrow(2, 0, n)
+        if self.phase is Phase.DENSE_UNTIL:  # dense attention over every token so far, read in place
+            full = self.head_len + self.tail_len
+            return self._full_k.narrow(2, 0, full), self._full_v.narrow(2, 0, full)
         return key_states, value_states  # the "leank" attention reads layout(), not these
 
     def _check_attention(self) -> None:
@@ -357,51 +352,50 @@ class LeanKLayer(CacheLayerMixin):
         start = (t - 1 - positions.reshape(-1, t)[:, -1].to(device).long()).clamp(0, t - 1)
         return start.expand(batch).contiguous()
 
-    def _prefill(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """Split the prefill K/V into head / compressed middle / tail and store them."""
-        b, hkv, t, d = k.shape
-        if positions is None and self.starts_hint is not None and b % self.starts_hint.numel() == 0:
-            # generate expands rows (beams, num_return_sequences) after making the cache: repeat each row's start
-            self.starts = self.starts_hint.to(self.device).repeat_interleave(b // self.starts_hint.numel())
-        else:
-            self.starts = self.starts_from_positions(positions, b, t, self.device)
-        max_start = int(self.starts.max())
-        self.padded = max_start > 0
-        self.head_target = max_start + self.sink_size
-        h = min(t, self.head_target)
-        self.recent_start = (
-            positional_compressible(t, self.starts, self.recent_size, self.accumu_size)
-            if self.positional else prefill_recent_from(t, self.recent_size)
-        )
-        self.deferred = t < self.dense_until
-        m = h if self.deferred else max(h, self.recent_start)  # deferred: everything after the head stays full
-        cap = max(h + (t - m), self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
-        self._full_k = k.new_empty(b, hkv, cap, d)
-        self._full_v = v.new_empty(b, hkv, cap, v.shape[-1])
-        self._full_k[:, :, :h] = k[:, :, :h]
-        self._full_v[:, :, :h] = v[:, :, :h]
-        self._full_k[:, :, h : h + t - m] = k[:, :, m:]
-        self._full_v[:, :, h : h + t - m] = v[:, :, m:]
-        self.head_len, self.tail_len = h, t - m
-        n = m - h
-        mc = mid_capacity(n)
-        if self.kv_quant is not None:
-            self._quant = QuantMiddleStore(self.kv_quant, self.groups, b, v.shape[-1], v.dtype, v.device, MID_ALIGN)
-            mc = 0
-        self._mid_k = [middle_k_storage(k, b, len(hs), mc, c) for hs, c in zip(self.groups.heads, self.groups.counts, strict=True)]
-        self._mid_v = v.new_empty(b, len(self.groups.nonzero_order), mc, v.shape[-1])
-        self.mid_len = 0
-        self._write_middle(k[:, :, h:m], v[:, :, h:m])
-        self.length = t
-        self._shared.clear()
+    def _full_capacity(self, full_tokens: int) -> int:
+        """Slots of the head-and-tail buffer for ``full_tokens`` stored whole: at least a compressed layer's
+        most (every row's sink, the recent part, ``accumu_size`` tokens before the next compression), plus
+        the slot a decode step writes."""
+        return max(full_tokens, self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
 
-    def _next_recent_start(self, length: int | None = None) -> int:
-        """Where the full part begins before queries from ``length`` (default: the current length) join: the
-        dense-prefill schedule's next step, or every row's middle so far under the positional rule."""
-        length = self.length if length is None else length
-        if self.positional:
-            return positional_compressible(length, self.starts, self.recent_size, self.accumu_size)
-        return decode_recent_from(self.recent_start, length, self.recent_size, self.accumu_size)
+    def _prefill(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """Split the prefill K/V into head / compressed middle / tail and store them (under ``dense_until``:
+        everything past the head stays whole, in the tail)."""
+        batch, kv_heads, tokens, head_dim = key.shape
+        if positions is None and self.starts_hint is not None and batch % self.starts_hint.numel() == 0:
+            # generate expands rows (beams, num_return_sequences) after making the cache: repeat each row's start
+            self.starts = self.starts_hint.to(self.device).repeat_interleave(batch // self.starts_hint.numel())
+        else:
+            self.starts = self.starts_from_positions(positions, batch, tokens, self.device)
+        last_start = int(self.starts.max())
+        self.padded = last_start > 0
+        self.head_target = last_start + self.sink_size
+        head_end = min(tokens, self.head_target)
+        self.recent_start = positional_compressible(tokens, self.starts, self.recent_size, self.accumu_size)
+        self.phase = Phase.DENSE_UNTIL if tokens < self.dense_until else Phase.PREFILLING
+        # the middle [head_end, middle_end); under dense_until everything after the head stays whole
+        middle_end = head_end if self.phase is Phase.DENSE_UNTIL else max(head_end, self.recent_start)
+        tail_tokens = tokens - middle_end
+        capacity = self._full_capacity(head_end + tail_tokens)
+        self._full_k = key.new_empty(batch, kv_heads, capacity, head_dim)
+        self._full_v = value.new_empty(batch, kv_heads, capacity, value.shape[-1])
+        self._full_k[:, :, :head_end] = key[:, :, :head_end]
+        self._full_v[:, :, :head_end] = value[:, :, :head_end]
+        self._full_k[:, :, head_end : head_end + tail_tokens] = key[:, :, middle_end:]
+        self._full_v[:, :, head_end : head_end + tail_tokens] = value[:, :, middle_end:]
+        self.head_len, self.tail_len = head_end, tail_tokens
+        middle_slots = mid_capacity(middle_end - head_end)
+        if self.kv_quant is not None:
+            self._quant = QuantMiddleStore(self.kv_quant, self.groups, batch, value.shape[-1], value.dtype,
+                                           value.device, MID_ALIGN)
+            middle_slots = 0
+        self._mid_k = [middle_k_storage(key, batch, len(heads), middle_slots, count)
+                       for heads, count in zip(self.groups.heads, self.groups.counts, strict=True)]
+        self._mid_v = value.new_empty(batch, len(self.groups.nonzero_order), middle_slots, value.shape[-1])
+        self.mid_len = 0
+        self._write_middle(key[:, :, head_end:middle_end], value[:, :, head_end:middle_end])
+        self.length = tokens
+        self.step_masks.clear()
 
     def _write_middle(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append full K/V ``[B, Hkv, n, D]`` to the middle: the kept channels per head group, V of nonzero heads."""
@@ -443,17 +437,19 @@ class LeanKLayer(CacheLayerMixin):
             self._full_v[:, :, h : h + rest] = self._full_v[:, :, h + move : h + t].clone()
         self.tail_len = rest
 
-    def _compress_deferred(self) -> None:
-        """Leave ``dense_until`` mode: the tokens below ``recent_start`` go to the middle at once (the
-        state the schedule would have reached), and the full buffer shrinks back to its LeanK size."""
-        self.deferred = False
+    def _compress(self) -> None:
+        """Enter ``COMPRESSED``: after the prefill's forward, nothing to move (its update compressed); after
+        ``dense_until``, the tokens below ``recent_start`` go to the middle at once (the state the rule would
+        have reached by now) and the full buffer shrinks back to its compressed size."""
+        was_whole, self.phase = self.phase is Phase.DENSE_UNTIL, Phase.COMPRESSED
+        if not was_whole:
+            return
         self._roll()
-        full = self.head_len + self.tail_len
-        cap = max(full, self._bounded(self.head_target + self.recent_size)) + self._bounded(self.accumu_size) + 1
-        if cap < self._full_k.shape[2]:
-            self._full_k = self._full_k[:, :, :cap].clone()
-            self._full_v = self._full_v[:, :, :cap].clone()
-        self._shared.clear()
+        capacity = self._full_capacity(self.head_len + self.tail_len)
+        if capacity < self._full_k.shape[2]:
+            self._full_k = self._full_k[:, :, :capacity].clone()
+            self._full_v = self._full_v[:, :, :capacity].clone()
+        self.step_masks.clear()
 
     def _bounded(self, tokens: int) -> int:
         """``tokens`` of preallocation, at most the model's positions (a mask's sizes may say 2^31-1: "never
@@ -468,7 +464,8 @@ class LeanKLayer(CacheLayerMixin):
             take = min(q_len, max(0, self.head_target - self.head_len))
         pos = self.head_len + self.tail_len
         if pos + q_len > self._full_k.shape[2]:  # several tokens at once, or a dense_until layer growing
-            cap = pos + q_len + self._bounded(max(MID_CHUNK, self.accumu_size) if self.deferred else self.accumu_size) + 1
+            growth = max(MID_CHUNK, self.accumu_size) if self.phase is Phase.DENSE_UNTIL else self.accumu_size
+            cap = pos + q_len + self._bounded(growth) + 1
             self._full_k = _grow(self._full_k, pos, cap)
             self._full_v = _grow(self._full_v, pos, cap)
         self._full_k.narrow(2, pos, q_len).copy_(k)
@@ -479,7 +476,7 @@ class LeanKLayer(CacheLayerMixin):
 
     # ---- generate() hooks ----------------------------------------------------------------------
     def _map_batch(self, fn: Any) -> None:
-        self._shared.pop("key", None)
+        self.step_masks.clear()
         if not self.is_initialized:
             return
         self.starts = fn(self.starts)
@@ -506,10 +503,9 @@ class LeanKLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if self.positional:  # the next query must find full every key it scores with all channels
-            compressed = self.mid_len and self._next_recent_start(self.length - n) < self.head_len + self.mid_len
-        else:
-            compressed = not self.deferred and self.length - n < self.recent_start
+        # the next query must find full every key it scores with all channels
+        next_recent = positional_compressible(self.length - n, self.starts, self.recent_size, self.accumu_size)
+        compressed = self.mid_len and next_recent < self.head_len + self.mid_len
         if n > self.tail_len + (self.head_len if self.mid_len == 0 else 0) or compressed:
             raise ValueError(
                 f"cannot crop {n} tokens from a LeanK cache: only uncompressed recent tokens can be dropped"
@@ -520,7 +516,7 @@ class LeanKLayer(CacheLayerMixin):
         self.length -= n
 
     def reset(self) -> None:
-        self._shared.clear()
+        self.step_masks.clear()
         self._clear()
 
     def offload(self) -> None:  # the base class offloads .keys/.values, which this layer does not have
@@ -548,26 +544,28 @@ class LeanKCache(Cache):
     the model's own cache layer (e.g. ``DynamicSlidingWindowLayer``): they keep only their window.
     ``dense_until`` (tokens, 0 = off): decode dense, without compressing, until a sequence holds that
     many tokens (see the module docstring): the short-context switch, never on by default.
-    ``rule``: ``"dense-prefill"`` (default) or ``"positional"`` (see the module docstring; refuses ``dense_until``).
+    ``rule`` (:data:`~leank_infer.decode.rule.RULE_DESCRIPTIONS`): ``"dense-prompt"`` (the default), the prompt
+    attends with every channel, each generated token by its position; ``"positional"``, every query, the prompt's
+    too, by its position alone (it refuses ``dense_until``).
     ``kv_quant``: ``"int8"``, ``"int4"`` (or a :class:`~leank_infer.decode.kv_quant.KVQuant`) stores the middle's
     kept K channels and V quantised (:mod:`~leank_infer.decode.kv_quant`); sink and recent tokens stay full
     precision. None (default): the middle in the model's dtype.
     """
 
-    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL,
+    def __init__(self, mask: ChannelMask, config: Any = None, dense_until: int = 0, rule: str = DEFAULT_RULE,
                  kv_quant: str | KVQuant | None = None):
         check_rule_options(rule, dense_until)
         fmt = kv_quant_format(kv_quant)
         if config is not None:
             mask.validate(config)
-        shared: dict = {}
+        step_masks = StepMasks()  # every LeanK layer holds the same token layout: one set of masks per step
         # the mask's dense layers, and any sliding layer of the model (validate() checked it keeps every channel)
         dense = set(mask.dense_layers) | (set(dense_layers_of(config)) if config is not None else set())
         layers = [
             model_cache_layer(config, i)
             if i in dense
             else LeanKLayer(
-                mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, shared, dense_until, rule, fmt
+                mask.keep[i], mask.sink_size, mask.recent_size, mask.accumu_size, config, step_masks, dense_until, rule, fmt
             )
             for i in range(mask.num_layers)
         ]
@@ -640,7 +638,7 @@ def fill_from_prefill(
     K/V (past the first layer) are not what its own prefill computes (``"dense-prompt"`` is fine: its prompt
     attends densely).
     """
-    if getattr(cache, "rule", DENSE_PREFILL) == POSITIONAL:
+    if getattr(cache, "rule", None) == POSITIONAL:
         raise ValueError(
             f"a LeanK cache of rule={POSITIONAL!r} cannot be filled from a dense prefill: under that rule the "
             "prompt attends by the mask too, so prefill through the LeanK model with this cache instead"

@@ -1,9 +1,9 @@
 """How a LeanK cache layer reaches the ``"leank"`` attention function, whatever the transformers version.
 
 An attention module calls ``cache.update(k, v, layer_idx, ...)`` and then the attention function
-with the K/V that update returned. Newer transformers (5.20+) pass the module's attention kwargs
-to ``update``, so a cache layer can put itself there; older ones (5.19) do not, and the function
-would never learn that a LeanK cache is in use. So :class:`~leank_infer.decode.cache.LeanKCache` offers
+with the K/V that update returned; transformers hands the attention function no cache (docs/architecture.md,
+"What the transformers API cannot carry"), and the function would never learn that a LeanK cache is in use.
+This is the one way it learns it, on every supported transformers: so :class:`~leank_infer.decode.cache.LeanKCache` offers
 each layer here as it returns that layer's K/V, and the attention function takes it back, matched
 by the identity of the key tensor it received: a stale offer (an exception between the two calls,
 another model's forward) can never be taken by a call it was not made for.

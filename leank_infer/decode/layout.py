@@ -19,6 +19,7 @@ tail_len, D]``), so a step with nothing to mask attends to them in one call.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,16 @@ import torch
 
 from .kv_quant import KVQuant, dequantize, unpack
 from .rule import key_regions, row_recent_from
+
+
+class Phase(enum.Enum):
+    """Where a :class:`~leank_infer.decode.cache.LeanKLayer`'s sequence is: what its next attention computes, and what it stores."""
+
+    EMPTY = "empty"  # nothing stored yet
+    PREFILLING = "prefilling"  # the forward that filled the layer: it attends to that forward's K/V as given
+    # (dense under "dense-prompt", the positional prefill under "positional"); the store is compressed
+    DENSE_UNTIL = "dense until"  # shorter than ``dense_until``: every token's full K/V, the model's dense attention
+    COMPRESSED = "compressed"  # the middle keeps the kept channels only; the attention reads ``layout()``
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ class DecodeMasks:
     ``head_full`` / ``head_mid``: ``[B, Q, H]``, head keys scored with all / only the kept channels
     (disjoint); ``mid``: ``[B or 1, Q, n]``; ``tail`` / ``tail_mid``: ``[B or 1, Q, t]``, tail keys scored
     with all / only the kept channels (disjoint; ``tail_mid`` None: no tail key is a middle key, as always
-    under the dense-prefill rule).
+    for one query of an unpadded row).
     """
 
     head_full: torch.Tensor | None = None

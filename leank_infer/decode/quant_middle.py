@@ -7,10 +7,10 @@ Storage, per group of KV heads with ``c`` kept channels (:class:`~leank_infer.de
 - V codes ``[B, Hnz, cap, ceil(Dv / per_byte)]``, V scales and minima ``[B, Hnz, cap, Dv / v_group]``.
 
 K slot ``s`` holds middle token ``s - phase`` and belongs to K group ``s // k_group``. ``phase`` is set by
-the first write so that it ends on a group boundary: under the dense-prefill rule every later write is
+the first write so that it ends on a group boundary: without left padding every later write is
 ``accumu_size`` tokens (a multiple of the group when the group divides it), so no group is ever
-half-filled. When one is (a group larger than ``accumu_size``, or the positional rule with left padding,
-whose writes are irregular), the **open group**'s tokens are also kept in full precision (``open_k``, at
+half-filled. When one is (a group larger than ``accumu_size``, or left-padded rows, whose writes are
+irregular), the **open group**'s tokens are also kept in full precision (``open_k``, at
 most ``k_group - 1`` tokens of kept channels, counted in :meth:`nbytes`) and the group is quantised anew
 from them when it grows: every code is always the quantisation of the original value, never of an
 earlier dequantisation. V is quantised per token and never needs that.

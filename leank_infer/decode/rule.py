@@ -14,11 +14,9 @@ at ``start`` (left padding), and a query at position ``p`` whose full recent par
 - middle ``[start + sink, recent_from)``: only the channels the mask keeps; a KV head that keeps
   none skips its middle keys entirely (the cache stores no V for them).
 
-Training uses ``recent_from = p - recent_size`` for every query. Decoding keeps between
-``recent_size`` and ``recent_size + accumu_size`` full recent keys: :func:`decode_recent_from`
-is its compression schedule, anchored at the end of the prompt (the ``"dense-prefill"`` rule, whose
-prompt attends with every channel). The ``"positional"`` rule (:func:`positional_recent_from`) gives
-every query, prompt and generated alike, a recent part that depends on its position alone.
+Training uses ``recent_from = p - recent_size`` for every query (:func:`training_recent_from`). Decoding
+places it by the position alone (:func:`positional_recent_from`); the rules (:data:`RULES`, each described
+once in :data:`RULE_DESCRIPTIONS`) differ in whether the prompt's own queries are pruned.
 """
 
 from __future__ import annotations
@@ -85,43 +83,50 @@ def positional_compressible(length: int, row_starts: torch.Tensor, recent_size: 
     return int(row_recent_from(torch.as_tensor(length), row_starts, recent_size, accumu_size).min())
 
 
-#: The rules the HF path decodes with: ``"dense-prefill"`` (the prompt attends with every channel; decoding
-#: follows the schedule :func:`recent_from`, anchored at the prompt's end), ``"positional"`` (every query,
-#: prompt and generated alike, by :func:`positional_recent_from`) and ``"dense-prompt"`` (the prompt attends
-#: with every channel, every generated token by :func:`positional_recent_from`). The last two are what vLLM's
-#: chunked prefill and prefix cache can reproduce: each query's keys depend on its position and, under
-#: ``"dense-prompt"``, on the prompt's length, never on how the prompt was scheduled.
-DENSE_PREFILL = "dense-prefill"
-POSITIONAL = "positional"
 DENSE_PROMPT = "dense-prompt"
-RULES = (DENSE_PREFILL, POSITIONAL, DENSE_PROMPT)
+POSITIONAL = "positional"
+
+#: Each rule's one-line description, the one place it is written: the ``--rule`` / ``--rules`` /
+#: ``--student_rule`` help, the docstrings of the API reference and docs/rule.md quote it, and
+#: tests/test_rule.py holds every one of them to this text.
+RULE_DESCRIPTIONS: dict[str, str] = {
+    DENSE_PROMPT: "the prompt attends with every channel, each generated token by its position",
+    POSITIONAL: "every query, the prompt's too, by its position alone",
+}
+#: The rules, the default first. Both are what vLLM's chunked prefill and prefix cache can reproduce: each
+#: query's keys depend on its position and, under ``"dense-prompt"``, on the prompt's length, never on how
+#: the prompt was scheduled.
+RULES: tuple[str, ...] = tuple(RULE_DESCRIPTIONS)
+DEFAULT_RULE = DENSE_PROMPT
+
+#: Rule names that are no longer served, each with its replacement and why (docs/rule.md, "The rules").
+RETIRED_RULES: dict[str, tuple[str, str]] = {
+    "dense-prefill": (
+        DENSE_PROMPT,
+        "its decode schedule was anchored at the prompt's end, which vLLM's chunked prefill cannot reproduce, "
+        "and it gave the same answers as dense-prompt on the measured probes at no speed advantage",
+    ),
+}
+
+
+class RuleError(ValueError):
+    """A rule name that is not one of :data:`RULES` (a retired one says which rule replaces it)."""
 
 
 def check_rule(rule: str) -> str:
-    """``rule`` if it is one of :data:`RULES`, else a ValueError naming them."""
+    """``rule`` if it is one of :data:`RULES`, else a :class:`RuleError` (a retired name: its replacement, and why)."""
+    if rule in RETIRED_RULES:
+        new, why = RETIRED_RULES[rule]
+        raise RuleError(f"rule {rule!r} is retired: use {new!r} ({RULE_DESCRIPTIONS[new]}); {why}")
     if rule not in RULES:
-        raise ValueError(f"rule must be one of {', '.join(repr(r) for r in RULES)}, got {rule!r}")
+        raise RuleError(f"rule must be one of {', '.join(repr(r) for r in RULES)}, got {rule!r}")
     return rule
 
 
-def prefill_recent_from(prefill_len: int, recent_size: int) -> int:
-    """After a prefill of ``prefill_len`` tokens, the full recent part starts here (docs/rule.md, "The decode schedule")."""
-    return max(0, prefill_len - recent_size)
-
-
-def decode_recent_from(recent_from: int, length: int, recent_size: int, accumu_size: int) -> int:
-    """The decode schedule: before new tokens join a cache of ``length`` tokens, its full recent part
-    ``[recent_from, length)`` gives up its oldest ``accumu_size`` tokens (to the middle) while it holds
-    more than ``recent_size + accumu_size``. Returns the new ``recent_from`` (closed form of that loop)."""
-    excess = length - recent_from - (recent_size + accumu_size)
-    return recent_from + (-(-excess // accumu_size) * accumu_size if excess > 0 else 0)
-
-
-def recent_from(prefill_len: int, length: int, recent_size: int, accumu_size: int) -> int:
-    """Where the full recent part begins before a token joins a cache of ``length`` tokens that a prefill
-    of ``prefill_len`` tokens started: the whole schedule from its two ends, no history needed (vLLM's
-    backend keeps none). Keys in ``[sink, recent_from)`` are middle keys."""
-    return decode_recent_from(prefill_recent_from(prefill_len, recent_size), length, recent_size, accumu_size)
+def rules_help() -> str:
+    """The rules and their descriptions as one sentence, for help texts (the default marked)."""
+    return "; ".join(f"{name}{' (the default)' if name == DEFAULT_RULE else ''}: {text}"
+                     for name, text in RULE_DESCRIPTIONS.items())
 
 
 def default_scale(head_dim: int, scaling: float | None = None) -> float:

@@ -583,7 +583,9 @@ def build_card(
         if rules:
             said += f" Rule of the LeanK rows: {', '.join(rules)}" + (
                 " (every query, the prompt's too, pruned by its position: the vLLM plugin's leank_rule positional)."
-                if rules == ["positional"] else " (dense-prefill: the prompt attended densely, then pruned decoding)."
+                if rules == ["positional"] else " (measured under the retired dense-prefill rule: the prompt attended "
+                "densely and pruned decoding followed a schedule anchored at its end; the rows stand for dense-prompt, "
+                "the default, which gave the same answers on the measured probes: docs/rule.md, The retired rule)."
                 if rules == ["dense-prefill"] else " (the prompt attended densely, each generated token pruned by its "
                 "position: what the vLLM plugin serves)." if rules == ["dense-prompt"] else ".")
         results_md = f"## Results\n\n{said}\n\n" + results_section(eval_results, "leank eval " + repo, commands)

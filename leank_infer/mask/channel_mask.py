@@ -172,8 +172,11 @@ class ChannelMask:
         }
 
     def full_token_count(self, seq_len: int) -> tuple[int, int]:
-        """(full tokens, pruned middle tokens) that a cache holds right after a prefill of ``seq_len`` tokens."""
-        middle = max(0, seq_len - self.sink_size - self.recent_size)
+        """(full tokens, pruned middle tokens) that a cache holds right after a prefill of ``seq_len`` tokens: the
+        middle ends where the next query's recent part begins (:func:`~leank_infer.decode.rule.positional_recent_from`)."""
+        from ..decode.rule import positional_recent_from
+
+        middle = max(0, positional_recent_from(seq_len, self.recent_size, self.accumu_size) - self.sink_size)
         return seq_len - middle, middle
 
     def kv_cache_bytes(self, seq_len: int, batch_size: int = 1, dtype: torch.dtype = torch.float16) -> int:

@@ -67,15 +67,14 @@ def quantized_token_bytes(kept_counts: torch.Tensor, head_dim: int, fmt: Any) ->
 
 
 def prefilled_cache_bytes(mask: Any, tokens: int, dtype: torch.dtype | int, fmt: Any = None) -> int:
-    """Bytes of one sequence's LeanK cache right after a (dense-prefill rule) prefill of ``tokens`` tokens:
-    the sink and the last ``recent_size`` tokens full, the rest the middle (``fmt``: quantised, its first
+    """Bytes of one sequence's LeanK cache right after a prefill of ``tokens`` tokens: the sink and the keys from
+    the next query's recent start on full (``mask.full_token_count``: the last ``recent_size`` to
+    ``recent_size + accumu_size - 1``), the rest the middle (``fmt``: quantised, its first
     write ending on a K group boundary, so no open group); the mask's dense layers keep every token."""
     pruned = [i for i in range(mask.num_layers) if i not in mask.dense_layers]
     counts = mask.keep[pruned].sum(-1)
     hkv, hd = mask.keep.shape[1], mask.keep.shape[2]
-    head = min(tokens, mask.sink_size)
-    n = max(head, tokens - mask.recent_size) - head
-    full = tokens - n
+    full, n = mask.full_token_count(tokens)
     out = tokens * dense_token_bytes(len(mask.dense_layers), hkv, hd, dtype) + full * dense_token_bytes(
         len(pruned), hkv, hd, dtype)
     if fmt is None:

@@ -31,7 +31,7 @@ from ..decode.attention import ATTN_IMPLEMENTATION
 from ..decode.cache import LeanKCache
 from ..decode.layer_handoff import LeanKCacheError
 from ..decode.layout import row_starts
-from ..decode.rule import DENSE_PREFILL
+from ..decode.rule import DEFAULT_RULE
 from ..mask import ChannelMask
 
 __all__ = [
@@ -92,7 +92,7 @@ def _leank_prepare_cache_for_generation(
                 "generation config (model.generation_config.cache_implementation = None)"
             )
         cache = LeanKCache(mask, config=self.config, dense_until=getattr(self, _DENSE_UNTIL_ATTR, 0),
-                           rule=getattr(self, _RULE_ATTR, DENSE_PREFILL), kv_quant=getattr(self, _KV_QUANT_ATTR, None))
+                           rule=getattr(self, _RULE_ATTR, DEFAULT_RULE), kv_quant=getattr(self, _KV_QUANT_ATTR, None))
         model_kwargs[CACHE_KWARG] = cache
         _hint_row_starts(cache, model_kwargs)
         if getattr(generation_config, "is_assistant", False):
@@ -119,7 +119,7 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DENSE_PREFILL, kv_quant: Any = None) -> None:
+def install(model: Any, mask: ChannelMask, dense_until: int = 0, rule: str = DEFAULT_RULE, kv_quant: Any = None) -> None:
     """Switch ``model`` to ``"leank"`` attention and make its ``generate`` build a LeanK cache for ``mask``
     (with ``dense_until``, ``rule`` and ``kv_quant``, see :class:`~leank_infer.decode.cache.LeanKCache`).
 

@@ -4,7 +4,7 @@ The model itself is untouched but for its attention implementation, set to ``"le
 cache its ``generate`` builds (a :class:`~leank_infer.decode.cache.LeanKCache`, see
 :mod:`leank_infer.model.generation`): ``model.generate`` and ``pipeline("text-generation", model=model)``
 decode with LeanK as ``LeanKModel.generate`` does. A forward without a cache (a loss, a prefill) is
-dense, as the default rule's prefill is (a forward with ``new_cache()`` follows the model's ``rule``);
+dense, as the default rule's prompt is (a forward with ``new_cache()`` follows the model's ``rule``);
 decoding over any other cache is an error, never silently dense.
 Dense decoding on the same object: ``model.set_attn_implementation("sdpa")``.
 """
@@ -19,7 +19,7 @@ import torch
 from ..decode.backend import requested_backend
 from ..decode.cache import LeanKCache, check_rule_options
 from ..decode.kv_quant import KVQuant, kv_quant_format
-from ..decode.rule import DENSE_PREFILL
+from ..decode.rule import DEFAULT_RULE
 from ..mask import ChannelMask, check_fit
 from . import generation as _generation
 from .loading import load_mask_base_model
@@ -37,10 +37,10 @@ class LeanKModel:
     follows the LeanK rule (see :class:`~leank_infer.decode.cache.LeanKCache`). On a CPU at batch 1 the
     dense step is faster below ~1.5k tokens; docs/speed.md measures where.
 
-    ``rule`` (default ``"dense-prefill"``): the prompt attends densely and decoding follows a schedule
-    anchored at its end. ``"positional"``: every query, the prompt's included, follows the LeanK rule by its
-    position alone (:func:`~leank_infer.decode.rule.positional_recent_from`), as the vLLM plugin does, so
-    chunked prefill and prefix caching give the same tokens; it has no ``dense_until``.
+    ``rule`` (:data:`~leank_infer.decode.rule.RULE_DESCRIPTIONS`; the vLLM plugin's ``leank_rule``, with the same
+    default, so both paths give the same tokens): ``"dense-prompt"`` (the default), the prompt attends with every
+    channel, each generated token by its position; ``"positional"``, every query, the prompt's too, by its
+    position alone (:func:`~leank_infer.decode.rule.positional_recent_from`; it has no ``dense_until``).
 
     ``kv_quant`` (default None): ``"int8"`` or ``"int4"`` stores the middle's kept K channels and its V quantised
     (KIVI's grouping: K per channel, V per token; :mod:`~leank_infer.decode.kv_quant`), sink and recent tokens in
@@ -48,7 +48,7 @@ class LeanKModel:
     """
 
     def __init__(
-        self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0, rule: str = DENSE_PREFILL,
+        self, model: Any, mask: ChannelMask, tokenizer: Any = None, dense_until: int = 0, rule: str = DEFAULT_RULE,
         kv_quant: str | KVQuant | None = None,
     ):
         requested_backend()  # LEANK_BACKEND=nope: refused now, not at the first decode step
@@ -74,7 +74,7 @@ class LeanKModel:
         tokenizer: Any = None,
         check_base_model: bool = True,
         dense_until: int = 0,
-        rule: str = DENSE_PREFILL,
+        rule: str = DEFAULT_RULE,
         kv_quant: str | KVQuant | None = None,
         **hf_kwargs: Any,
     ) -> LeanKModel:
@@ -145,6 +145,6 @@ class LeanKModel:
         return self.model.device
 
     def __repr__(self) -> str:
-        rule = "" if self.rule == DENSE_PREFILL else f", rule={self.rule!r}"
+        rule = "" if self.rule == DEFAULT_RULE else f", rule={self.rule!r}"
         quant = "" if self.kv_quant is None else f", kv_quant={self.kv_quant.name!r}"
         return f"LeanKModel(model={type(self.model).__name__}, mask={self.mask!r}{rule}{quant})"

@@ -1,7 +1,7 @@
 """The KV cache spec of LeanK's full-channel tokens in vLLM's pool: the sink and a sliding window.
 
 A LeanK layer needs every channel of K and V for two sets of keys only: the first ``sink`` tokens
-of a request, and the window of recent tokens before each query (see :mod:`leank_infer.vllm.rule`).
+of a request, and the window of recent tokens before each query (see :mod:`leank_infer.decode.rule`).
 Everything else lives in the packed pages (:mod:`leank_infer.vllm.pool`). vLLM's sliding-window
 spec almost describes this window, but drops the sink; :class:`LeanKWindowSpec` is a sliding
 window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowManager`, a
@@ -18,7 +18,8 @@ window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowM
   for its sliding-window and Mamba groups), the window ending there is written and cached, so the
   requests after it hit the prefix cache at the junction.
 
-Under the ``"dense-prompt"`` rule (``dense_prompt=True``, the default) a prompt query attends to every earlier
+Under the ``"dense-prompt"`` rule, the default (the pool sets ``dense_prompt=True`` for it; the field's own
+default, False, is the ``"positional"`` rule's), a prompt query attends to every earlier
 prompt token with every channel, so while a request's prompt is being computed the manager keeps a real
 block for every prompt token (chunked prefill reads the earlier chunks' full rows), and frees the gap once
 the prompt is done. Only blocks made wholly of prompt tokens are cached, and a hit needs every block from

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from leank_infer.decode.rule import DEFAULT_RULE
 from leank_infer.mask import (
     ChannelMask,
     MaskError,
@@ -34,6 +35,7 @@ from leank_infer.mask import (
 from .. import sequence_parallel as sp
 from ..errors import RecipeError
 from ..heap import fix_mmap_threshold
+from ..recipe_checks import student_rule_problem
 from .finite import StopOnNonFinite
 from .student_attention import ATTN_IMPLEMENTATION, STATE_KWARG, StudentState, TeacherState
 from .student_attention import register as register_attention
@@ -117,7 +119,7 @@ class LeanKDistillation(L.LightningModule):
         min_kept: int = 0,
         activation_checkpointing: bool = False,
         config_overrides: dict[str, Any] | None = None,
-        student_rule: Literal["dense-prefill", "positional"] = "dense-prefill",
+        student_rule: str = DEFAULT_RULE,
         accumu_size: int = 16,
     ) -> None:  # pragma: no mutate block (save_hyperparameters reads this frame: no mutmut trampoline)
         """
@@ -147,11 +149,12 @@ class LeanKDistillation(L.LightningModule):
                 instead of keeping its activations (same gradients, less memory on long contexts).
             config_overrides: model config attributes set at load (e.g. ``rope_parameters`` for YaRN),
                 forwarded to ``from_pretrained``.
-            student_rule: the rule the mask is learned for. ``dense-prefill`` (the paper's): the answer tokens
-                alone, against the context K/V of the dense teacher pass. ``positional`` (what the vLLM plugin
-                serves): the whole sequence, every query by the rule, prompt included, so the prompt's own
-                pruned attention is part of what is distilled (costs a backward through the whole sequence:
-                use ``activation_checkpointing`` on long prompts).
+            student_rule: the rule the mask is learned for, dense-prompt (the default): the prompt attends with
+                every channel, each generated token by its position; or positional: every query, the prompt's
+                too, by its position alone. Under dense-prompt (the paper's step) the student runs the answer
+                tokens alone, against the context K/V of the dense teacher pass; under positional the whole
+                sequence, prompt included, so the prompt's own pruned attention is part of what is distilled
+                (a backward through the whole sequence: use ``activation_checkpointing`` on long prompts).
             accumu_size: ``positional`` only: the decode-time rounding of each query's recent window.
         """
         super().__init__()
@@ -163,6 +166,9 @@ class LeanKDistillation(L.LightningModule):
         self.distill_loss = MeanMetric()
         self.reg_loss = MeanMetric()
         self.recent_distill: list[float] = []  # the last steps' losses: one step of batch 1 is noisy
+        problem = student_rule_problem(student_rule)
+        if problem:
+            raise RecipeError(f"model.student_rule: {problem}")
         if stage == 2 and init_scores is None:
             raise RecipeError("stage 2 starts from stage-1 scores: set model.init_scores")
         if ratio_start is not None and not 0 <= ratio_start < 1:

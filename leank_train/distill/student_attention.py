@@ -41,7 +41,8 @@ class StudentState:
     recent_size: int
     skip_zero_heads: bool = False  # stage 2: heads with no kept channel ignore their middle, as at decode
     dense_layers: frozenset[int] = frozenset()  # sliding-window layers: the model's own attention, no LeanK
-    # the positional rule (vLLM's): the student runs the whole sequence, every query by its position alone
+    # the positional rule (the vLLM plugin's leank_rule "positional"): the student runs the whole sequence, every
+    # query by its position alone
     # (``accumu_size``: the decode-time rounding of the recent window); None: answer tokens after the context
     accumu_size: int | None = None
     # per layer (K, V) of the context, post-RoPE, [1, kv_heads (or this rank's shard), context, D]

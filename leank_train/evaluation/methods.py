@@ -8,8 +8,8 @@ that get the same mask together. The baselines spend the learned mask's K budget
 - :class:`ThinK`: query-driven selection per prompt (ThinK): per KV head keep the channels with the
   largest ``|Q_window| * |K|`` column-norm product, the same count in every head.
 
-A LeanK method decodes by a rule (``rule``: ``"dense-prefill"`` or ``"positional"``, see
-:class:`leank_infer.LeanKModel`; None, the default: the evaluated model's ``lm.rule``). Under
+A LeanK method decodes by a rule (``rule``: ``"dense-prompt"``, the default, or ``"positional"``, see
+:data:`leank_infer.decode.rule.RULE_DESCRIPTIONS`; None: the evaluated model's ``lm.rule``). Under
 ``"positional"`` the prompt's attention depends on the mask, so such a method prefills on its own
 (:func:`.prefill.decode`) instead of sharing the batch's dense prefill.
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from leank_infer import ChannelMask
-from leank_infer.decode.rule import DENSE_PREFILL
+from leank_infer.decode.rule import DEFAULT_RULE
 
 from .prefill import Prefill
 
@@ -143,8 +143,8 @@ def kv_quant_of(method: Method, lm: Any) -> Any:
 
 
 def rule_of(method: Method, lm: Any) -> str:
-    """The rule ``method`` decodes by: its own, else the evaluated model's (``lm.rule``), else dense-prefill."""
-    return method.rule or getattr(lm, "rule", DENSE_PREFILL)
+    """The rule ``method`` decodes by: its own, else the evaluated model's (``lm.rule``), else the default."""
+    return method.rule or getattr(lm, "rule", DEFAULT_RULE)
 
 
 def random_mask_like(mask: ChannelMask, seed: int = 0) -> ChannelMask:

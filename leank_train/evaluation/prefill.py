@@ -1,6 +1,6 @@
 """One dense prefill per batch of probes, shared by every method, and greedy decoding from it.
 
-LeanK's default rule (``"dense-prefill"``, docs/rule.md, "The decode schedule") prefills with full attention: the prompt's forward, its K/V and its
+LeanK's default rule (``"dense-prompt"``, docs/rule.md, "The rules") prefills with full attention: the prompt's forward, its K/V and its
 first answer token are the same for the full model, the learned mask and both baselines. Only what the cache keeps of those
 K/V differs, and so the decode steps. So a batch of left-padded prompts is prefilled once, dense; each
 method then gets a cache filled from those K/V (a ``DynamicCache`` for the full model, a ``LeanKCache``
@@ -26,7 +26,7 @@ import torch
 
 from leank_infer import ChannelMask
 from leank_infer.decode.cache import LeanKCache, fill_from_prefill
-from leank_infer.decode.rule import DENSE_PREFILL, POSITIONAL, check_rule
+from leank_infer.decode.rule import DEFAULT_RULE, POSITIONAL, check_rule
 from leank_infer.model.generation import CACHE_KWARG
 
 #: the attention implementation of a recording prefill: the model's dense attention, plus the recorder
@@ -120,7 +120,7 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, w
 
 
 def _filled_cache(lm: Any, mask: ChannelMask | None, pre: Prefill, kv_quant: str | None = None,
-                  hf_quant: tuple[str, int, int] | None = None, rule: str = DENSE_PREFILL) -> Any:
+                  hf_quant: tuple[str, int, int] | None = None, rule: str = DEFAULT_RULE) -> Any:
     """A cache holding the prefill's K/V as ``mask``'s own prefill would store them (None: a dense cache;
     ``kv_quant``: a LeanK cache with a quantised middle; ``hf_quant`` (backend, bits, group): transformers'
     ``QuantizedCache``, every channel)."""
@@ -146,7 +146,7 @@ def _eos_ids(lm: Any) -> set[int]:
 
 @torch.no_grad()
 def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
-           rule: str = DENSE_PREFILL, kv_quant: str | None = None,
+           rule: str = DEFAULT_RULE, kv_quant: str | None = None,
            hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
     """Greedy answer tokens of each row with ``mask`` (None: the full model), up to ``max_new_tokens``,
     ending before the first end-of-sequence token: what ``generate`` returns after this prefill. With
@@ -155,7 +155,14 @@ def decode(lm: Any, mask: ChannelMask | None, pre: Prefill, max_new_tokens: int,
     ``QuantizedCache`` instead of the dense one (see :func:`_filled_cache`)."""
     eos = _eos_ids(lm)
     pad = next(iter(eos)) if eos else 0
-    if check_rule(rule) == POSITIONAL and mask is not None:
+    check_rule(rule)
+    if kv_quant is not None and mask is not None and len(pre.first) > 1 and not bool(pre.attention_mask.all()):
+        # rows of different lengths reach a key at different steps, and the cache quantises a key only once it is
+        # middle for every row: batched, a row would hold some of its middle keys unquantised longer than alone.
+        # Each row alone (its padding dropped) answers as its own generate does.
+        return [decode(lm, mask, pre.select([i]), max_new_tokens, rule, kv_quant, hf_quant)[0]
+                for i in range(len(pre.first))]
+    if rule == POSITIONAL and mask is not None:
         cache = LeanKCache(mask, config=lm.model.config, rule=POSITIONAL, kv_quant=kv_quant)
         out = lm.model.generate(input_ids=pre.input_ids, attention_mask=pre.attention_mask, **{CACHE_KWARG: cache},
                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
@@ -183,7 +190,7 @@ def _until_eos(tokens: torch.Tensor, eos: set[int]) -> list[list[int]]:
 
 
 def decode_each(lm: Any, masks: Sequence[ChannelMask | None], pre: Prefill, max_new_tokens: int,
-                key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DENSE_PREFILL,
+                key: Callable[[ChannelMask | None], Any] | None = None, rule: str = DEFAULT_RULE,
                 kv_quant: str | None = None, hf_quant: tuple[str, int, int] | None = None) -> list[list[int]]:
     """Row ``i`` decoded with ``masks[i]`` by ``rule`` (and ``kv_quant`` / ``hf_quant``, see :func:`decode`):
     rows that share a mask decode together, in one batch."""
