@@ -35,7 +35,7 @@ from torch import nn  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 from vllm_pages import random_pages  # noqa: E402
 
-from leank_infer.decode import quant_cpu, rule  # noqa: E402
+from leank_infer.decode import layer_handoff, quant_cpu, rule  # noqa: E402
 from leank_infer.decode import triton_decode as td  # noqa: E402
 from leank_infer.decode.attention import leank_attention_forward  # noqa: E402
 from leank_infer.decode.cache import LeanKLayer  # noqa: E402
@@ -166,6 +166,7 @@ def hf_step(layer: LeanKLayer, q, k, v, pad: torch.Tensor, past: int) -> torch.T
     real = pad.long()
     kwargs: dict = {"position_ids": (real.cumsum(-1) - 1).clamp_min(0)[:, -q_len:]}
     kk, vv = layer.update(k, v, kwargs=kwargs)
+    layer_handoff.offer(kk, layer)  # as LeanKCache.update hands its layer to the attention call
     out, _ = leank_attention_forward(_Attn(), q, kk, vv, mask, scaling=1.0, **kwargs)
     return out
 
