@@ -57,6 +57,23 @@ def test_round_trip_is_within_half_a_step(bits, kind):
         assert float(err.max()) > 0.4 * float(bound.max())
 
 
+@pytest.mark.parametrize("levels", [255, 15])
+def test_the_float16_grid_is_rounded_outward_and_covers_every_value(levels):
+    """The minimum is rounded down and the scale up to float16, so ``minimum <= group min`` and ``minimum + levels x
+    scale >= group max`` in exact arithmetic for every group (rounding to nearest misses about half of them)."""
+    g = torch.Generator().manual_seed(levels)
+    x = torch.cat([torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g) * 37 + 1000,
+                   torch.rand(64, 256, generator=g) * 1e-3 - 5], 0)
+    scale, mn = kq.quant_params(x, 16, levels)
+    grp = x.double().unflatten(-1, (-1, 16))
+    lo, hi = grp.amin(-1), grp.amax(-1)
+    assert bool((mn.double() <= lo).all())
+    assert bool((mn.double() + levels * scale.double() >= hi).all())
+    # and tightly: one float16 step less would not cover every group
+    smaller = torch.nextafter(scale, torch.zeros_like(scale)).double()
+    assert bool((mn.double() + levels * smaller < hi).any())
+
+
 def test_int4_packs_two_channels_a_byte_even_low_odd_high():
     codes = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.uint8)
     packed = kq.pack(codes, -1, 2)
