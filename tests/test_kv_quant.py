@@ -156,6 +156,55 @@ def _check_store(run: _Run) -> None:
     assert float((v - run.v)[:, :, h : h + n].abs().max()) <= vmax / 2 * 1.001 + 1e-6
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-k8"])
+def test_writes_of_any_size_keep_every_middle_token_within_half_a_step(fmt):
+    """Writes of irregular sizes (the positional rule's, a K group larger than a write): the open K group's tokens are
+    requantised from their originals each time, so after every write each stored K and V value is within half a
+    step of the value written, read back from the raw codes token by token."""
+    from leank_infer.decode.layout import ChannelGroups
+    from leank_infer.decode.quant_middle import QuantMiddleStore
+
+    def kept(k: torch.Tensor, heads: torch.Tensor, ch: torch.Tensor) -> torch.Tensor:  # [B, Hg, m, c]
+        return k[:, heads].gather(-1, ch[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
+
+    q = FORMATS[fmt]
+    g = torch.Generator().manual_seed(3)
+    keep = torch.zeros(3, 16, dtype=torch.bool)
+    keep[0, :5], keep[1, ::3], keep[2, 4:9] = True, True, True  # groups of 5, 6 and 5 channels
+    groups = ChannelGroups.from_keep(keep)
+    store = QuantMiddleStore(q, groups, 2, 16, torch.float32, torch.device("cpu"), 4)
+    ks, vs = [], []
+    for m in (5, 3, 6, 2, 7, 1, 9, 4):
+        k = torch.randn(2, 3, m, 16, generator=g) * (1 + 10 * torch.rand(1, 3, 1, 16, generator=g))
+        v = torch.randn(2, 3, m, 16, generator=g)
+        store.write([kept(k, heads, ch) for heads, ch in zip(groups.heads, groups.channels, strict=True)],
+                    v[:, groups.nonzero_order], 64)
+        ks.append(k)
+        vs.append(v)
+        kall, vall = torch.cat(ks, 2), torch.cat(vs, 2)
+        n = kall.shape[2]
+        assert store.n == n and store.open_tokens() == (store.phase + n) % q.k_group
+        for gi, (heads, ch) in enumerate(zip(groups.heads, groups.channels, strict=True)):
+            want = kept(kall, heads, ch)
+            codes, scale, mn = store.k_codes[gi], store.k_scale[gi].float(), store.k_min[gi].float()
+            for j in range(n):
+                s = store.phase + j
+                for c in range(ch.shape[1]):
+                    byte = codes[:, :, c // q.per_byte, s]
+                    code = (byte >> 4 if c % 2 else byte & 15) if q.per_byte == 2 else byte
+                    got = code.float() * scale[:, :, c, s // q.k_group] + mn[:, :, c, s // q.k_group]
+                    bound = scale[:, :, c, s // q.k_group] / 2 * 1.001 + 1e-6
+                    assert bool(((got - want[:, :, j, c]).abs() <= bound).all()), (fmt, n, gi, j, c)
+        vq = store.v_codes[:, :, :n].float()
+        if q.per_byte == 2:
+            vq = torch.stack([vq.long() & 15, vq.long() >> 4], -1).flatten(-2).float()[..., :16]
+        vg = store.v_group
+        back = (vq.unflatten(-1, (-1, vg)) * store.v_scale[:, :, :n, :, None].float()
+                + store.v_min[:, :, :n, :, None].float()).flatten(-2)
+        bound = store.v_scale[:, :, :n].float().repeat_interleave(vg, -1) / 2 * 1.001 + 1e-6
+        assert bool(((back - vall[:, groups.nonzero_order]).abs() <= bound).all())
+
+
 # ---- the cache: decode with kv_quant = decode over the dequantised K/V -------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS, ids=list(FORMATS))
 @pytest.mark.parametrize("rule", ["dense-prefill", "positional"])
