@@ -186,15 +186,16 @@ def test_writes_of_any_size_keep_every_middle_token_within_half_a_step(fmt):
         assert store.n == n and store.open_tokens() == (store.phase + n) % q.k_group
         for gi, (heads, ch) in enumerate(zip(groups.heads, groups.channels, strict=True)):
             want = kept(kall, heads, ch)
-            codes, scale, mn = store.k_codes[gi], store.k_scale[gi].float(), store.k_min[gi].float()
-            for j in range(n):
-                s = store.phase + j
-                for c in range(ch.shape[1]):
-                    byte = codes[:, :, c // q.per_byte, s]
-                    code = (byte >> 4 if c % 2 else byte & 15) if q.per_byte == 2 else byte
-                    got = code.float() * scale[:, :, c, s // q.k_group] + mn[:, :, c, s // q.k_group]
-                    bound = scale[:, :, c, s // q.k_group] / 2 * 1.001 + 1e-6
-                    assert bool(((got - want[:, :, j, c]).abs() <= bound).all()), (fmt, n, gi, j, c)
+            # token j sits in slot phase + j, of K group (phase + j) // k_group; codes [B, Hg, packed c, slot]
+            slots = torch.arange(store.phase, store.phase + n)
+            codes = store.k_codes[gi][..., slots]
+            if q.per_byte == 2:  # channel 2i in the low nibble, 2i + 1 in the high one
+                codes = torch.stack([codes & 15, codes >> 4], 3).flatten(2, 3)
+            codes = codes[:, :, : ch.shape[1]].float()
+            scale = store.k_scale[gi].float()[..., slots // q.k_group]
+            got = codes * scale + store.k_min[gi].float()[..., slots // q.k_group]
+            err = (got - want.transpose(2, 3)).abs()
+            assert bool((err <= scale / 2 * 1.001 + 1e-6).all()), (fmt, n, gi, float(err.max()))
         vq = store.v_codes[:, :, :n].float()
         if q.per_byte == 2:
             vq = torch.stack([vq.long() & 15, vq.long() >> 4], -1).flatten(-2).float()[..., :16]
