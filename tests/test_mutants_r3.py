@@ -150,8 +150,10 @@ HEAP_SCRIPT = textwrap.dedent("""
 def test_the_heap_fix_serves_a_1_mib_block_from_the_heap_and_a_larger_one_mapped():
     """In a fresh process, 1 MiB is mapped at glibc's start (threshold 128 KiB); after fix_mmap_threshold 1 MiB
     and 2 MiB come from the heap and 8 MiB is mapped: the threshold is 4 MiB."""
+    import leank_train
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(Path(leank_train.__file__).resolve().parents[1])  # the leank this test imports
     outs = {}
     for fix in ("", "fix"):
         out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, fix], capture_output=True, text=True, env=env,
