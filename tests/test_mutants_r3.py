@@ -52,6 +52,21 @@ def test_a_model_served_under_another_name_fits_when_its_config_names_the_base_m
         check_fit(_mask("org/base"), cfg, ["my-served-alias", "org/other"])
 
 
+def test_names_that_cannot_be_compared_are_not(tmp_path):
+    """A local folder (as the model's name or the mask's base model) and a mask without a base model are never
+    compared: they fit any name."""
+    from leank_infer.mask.fit import same_model_id
+
+    folder = str(tmp_path)
+    cfg = _llama(folder)
+    check_fit(_mask("org/base"), cfg, [folder])
+    check_fit(_mask(folder), _llama("org/x"), ["org/x"])
+    check_fit(_mask(None), cfg, ["org/x"])
+    assert same_model_id(folder, "org/x") and same_model_id("org/x", folder) and same_model_id(None, "org/x")
+    assert same_model_id("org/x", None) and same_model_id("", "org/x")
+    assert same_model_id("/Org/X/", "org/x") and not same_model_id("org/x", "org/y")
+
+
 # ---- a dict-valued override: carried when each wanted key has the wanted value ------------------------------------
 def test_a_dict_override_the_model_extends_with_keys_of_its_own_is_carried():
     """transformers adds defaults of its own to ``rope_parameters``: the mask's keys having its values is enough;
