@@ -67,6 +67,38 @@ def test_names_that_cannot_be_compared_are_not(tmp_path):
     assert same_model_id("/Org/X/", "org/x") and not same_model_id("org/x", "org/y")
 
 
+def test_every_problem_is_named_in_one_error_or_warning_pointing_at_the_callers_caller():
+    """Name, adapter and overrides in one message joined by "; ", with the opt-out; as a warning when the check is
+    off, attributed to the caller of the function that called check_fit (a user's line, not leank's)."""
+    import re
+
+    cfg = _llama("org/base")
+    cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    carried = ChannelMask(torch.ones(2, 2, 32, dtype=torch.bool), sink_size=4, recent_size=8, accumu_size=4,
+                          base_model="org/base", config_overrides={"rope_parameters": {"factor": 4.0}})
+    check_fit(carried, cfg, ["org/base"])  # the model carries what the mask was learned with
+    mask = ChannelMask(torch.ones(2, 2, 32, dtype=torch.bool), sink_size=4, recent_size=8, accumu_size=4,
+                       base_model="org/other", adapter="org/lora", config_overrides={"hidden_act": "gelu", "x": 1})
+    message = ("the mask was trained for 'org/other' but the model is 'org/base'; the mask was learned on "
+               "'org/other' with the PEFT adapter 'org/lora' merged (use the merged fine-tune); the mask was learned "
+               "with config overrides the model lacks (hidden_act: model has 'silu', mask wants 'gelu'; x: model has "
+               "None, mask wants 1)")
+    with pytest.raises(MaskError) as err:
+        check_fit(mask, cfg, ["org/base"])
+    assert str(err.value) == message + " (pass check_base_model=False to use it anyway)"
+    with pytest.raises(MaskError, match=re.escape(message + " (set X to use it anyway)")):
+        check_fit(mask, cfg, ["org/base"], opt_out="set X")
+
+    def load() -> None:  # what a caller of check_fit looks like (load_checked_mask, LeanKModel)
+        check_fit(mask, cfg, ["org/base"], check_base_model=False)
+
+    with pytest.warns(UserWarning) as record:
+        line = sys._getframe().f_lineno + 1  # the warning points at the next line
+        load()
+    assert str(record[0].message) == message + "; shapes fit, so it is used as requested"
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
+
+
 # ---- a dict-valued override: carried when each wanted key has the wanted value ------------------------------------
 def test_a_dict_override_the_model_extends_with_keys_of_its_own_is_carried():
     """transformers adds defaults of its own to ``rope_parameters``: the mask's keys having its values is enough;
