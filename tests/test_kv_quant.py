@@ -62,16 +62,22 @@ def test_the_float16_grid_is_rounded_outward_and_covers_every_value(levels):
     """The minimum is rounded down and the scale up to float16, so ``minimum <= group min`` and ``minimum + levels x
     scale >= group max`` in exact arithmetic for every group (rounding to nearest misses about half of them)."""
     g = torch.Generator().manual_seed(levels)
+    exact = torch.arange(16.0).repeat(16) * 0.25 - 2  # groups whose minimum and step are float16 numbers
     x = torch.cat([torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g) * 37 + 1000,
-                   torch.rand(64, 256, generator=g) * 1e-3 - 5], 0)
+                   torch.rand(64, 256, generator=g) * 1e-3 - 5, exact[None] * (levels // 15)], 0)
     scale, mn = kq.quant_params(x, 16, levels)
+    assert scale.shape == mn.shape == (x.shape[0], 16)
     grp = x.double().unflatten(-1, (-1, 16))
     lo, hi = grp.amin(-1), grp.amax(-1)
     assert bool((mn.double() <= lo).all())
     assert bool((mn.double() + levels * scale.double() >= hi).all())
-    # and tightly: one float16 step less would not cover every group
+    # and tightly, per group: the next float16 up would not be below the minimum, one less scale would not cover
+    assert bool((torch.nextafter(mn, torch.full_like(mn, float("inf"))).double() > lo).all())
     smaller = torch.nextafter(scale, torch.zeros_like(scale)).double()
-    assert bool((mn.double() + levels * smaller < hi).any())
+    above_floor = scale > torch.finfo(kq.PARAM_DTYPE).tiny  # steps under float16's smallest normal take that
+    assert bool((mn.double() + levels * smaller < hi)[above_floor].all()) and float(above_floor.float().mean()) > 0.6
+    if levels == 15:  # the exact groups: minimum -2 and step 0.25 as they are
+        assert mn[-1].tolist() == [-2.0] * 16 and scale[-1].tolist() == [0.25] * 16
 
 
 def test_int4_packs_two_channels_a_byte_even_low_odd_high():
@@ -85,11 +91,16 @@ def test_int4_packs_two_channels_a_byte_even_low_odd_high():
 
 def test_non_finite_or_out_of_range_values_are_refused():
     x = torch.randn(2, 32)
-    for bad in (float("nan"), float("inf"), 1e6):
+    for bad, says in ((float("nan"), "NaN or inf"), (float("inf"), "NaN or inf"), (-float("inf"), "NaN or inf"),
+                      (1e6, "beyond"), (-1e6, "beyond"), (70000.0, "beyond")):
         y = x.clone()
         y[1, 3] = bad
-        with pytest.raises(ValueError, match="kv_quant|quantise"):
+        with pytest.raises(ValueError, match=f"cannot quantise K/V (holding|{says}).*{says}|cannot quantise K/V {says}"):
             kq.quant_params(y, 16, 255)
+    edge = torch.zeros(2, 32)
+    edge[0, :16], edge[1, 16:] = 65504.0, -65504.0  # float16's largest, each in a group of its own: accepted
+    scale, mn = kq.quant_params(edge, 16, 255)
+    assert mn.tolist() == [[65504.0, 0.0], [0.0, -65504.0]]
     with pytest.raises(ValueError, match="kv_quant must be one of"):
         kq.kv_quant_format("int3")
     with pytest.raises(ValueError, match="power of two"):
