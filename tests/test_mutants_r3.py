@@ -89,16 +89,15 @@ def test_every_problem_is_named_in_one_error_or_warning_pointing_at_the_callers_
     with pytest.raises(MaskError, match=re.escape(message + " (set X to use it anyway)")):
         check_fit(mask, cfg, ["org/base"], opt_out="set X")
 
-    def load() -> int:  # what a caller of check_fit looks like (load_checked_mask, LeanKModel)
+    def load() -> None:  # what a caller of check_fit looks like (load_checked_mask, LeanKModel)
         check_fit(mask, cfg, ["org/base"], check_base_model=False)
-        return sys._getframe().f_lineno - 1
 
     with pytest.warns(UserWarning) as record:
         line = sys._getframe().f_lineno + 1  # the warning points at the next line
-        inner = load()
+        load()
     assert str(record[0].message) == message + "; shapes fit, so it is used as requested"
-    # (mutmut's trampoline adds a frame between load and check_fit: the line inside load is then the caller's caller)
-    assert record[0].filename == __file__ and record[0].lineno in (line, inner), (record[0].filename, record[0].lineno)
+    where = (record[0].filename, record[0].lineno)
+    assert where == (__file__, line) or "mutmut" in where[0], where  # (mutmut's trampoline adds frames of its own)
 
 
 # ---- a dict-valued override: carried when each wanted key has the wanted value ------------------------------------
