@@ -64,7 +64,7 @@ def test_names_that_cannot_be_compared_are_not(tmp_path):
     check_fit(_mask(None), cfg, ["org/x"])
     assert same_model_id(folder, "org/x") and same_model_id("org/x", folder) and same_model_id(None, "org/x")
     assert same_model_id("org/x", None) and same_model_id("", "org/x")
-    assert same_model_id("/Org/X/", "org/x") and not same_model_id("org/x", "org/y")
+    assert same_model_id("/Org/X/", "org/x") and same_model_id("org/x", "/Org/X/") and not same_model_id("org/x", "org/y")
 
 
 def test_every_problem_is_named_in_one_error_or_warning_pointing_at_the_callers_caller():
