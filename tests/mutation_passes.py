@@ -115,6 +115,9 @@ def rerun_survivors(name: str, pyproject: dict, max_children: int = 1) -> dict:
     for where in (folder, folder / "mutants"):  # mutmut reads the first, its test runs the copy in the second
         (where / "pyproject.toml").write_text(text)
     (folder / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    # mutmut copied the tests when the pass began and does not copy them again: the copy is refreshed here
+    shutil.copytree(ROOT / "tests", folder / "mutants" / "tests", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     env = _env()
     start = time.monotonic()
     code = 0

@@ -7,6 +7,8 @@ parameter slice in the backends shows up as a difference.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_cache import ACCUMU, HKV, RECENT, SINK, D, _keep, _rel_err, _Run
@@ -57,6 +59,29 @@ def test_round_trip_is_within_half_a_step(bits, kind):
         assert float(err.max()) > 0.4 * float(bound.max())
 
 
+@pytest.mark.parametrize("levels", [255, 15])
+def test_the_float16_grid_is_rounded_outward_and_covers_every_value(levels):
+    """The minimum is rounded down and the scale up to float16, so ``minimum <= group min`` and ``minimum + levels x
+    scale >= group max`` in exact arithmetic for every group (rounding to nearest misses about half of them)."""
+    g = torch.Generator().manual_seed(levels)
+    exact = torch.arange(16.0).repeat(16) * 0.25 - 2  # groups whose minimum and step are float16 numbers
+    x = torch.cat([torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g) * 37 + 1000,
+                   torch.rand(64, 256, generator=g) * 1e-3 - 5, exact[None] * (levels // 15)], 0)
+    scale, mn = kq.quant_params(x, 16, levels)
+    assert scale.shape == mn.shape == (x.shape[0], 16)
+    grp = x.double().unflatten(-1, (-1, 16))
+    lo, hi = grp.amin(-1), grp.amax(-1)
+    assert bool((mn.double() <= lo).all())
+    assert bool((mn.double() + levels * scale.double() >= hi).all())
+    # and tightly, per group: the next float16 up would not be below the minimum, one less scale would not cover
+    assert bool((torch.nextafter(mn, torch.full_like(mn, float("inf"))).double() > lo).all())
+    smaller = torch.nextafter(scale, torch.zeros_like(scale)).double()
+    above_floor = scale > torch.finfo(kq.PARAM_DTYPE).tiny  # steps under float16's smallest normal take that
+    assert bool((mn.double() + levels * smaller < hi)[above_floor].all()) and float(above_floor.float().mean()) > 0.6
+    if levels == 15:  # the exact groups: minimum -2 and step 0.25 as they are
+        assert mn[-1].tolist() == [-2.0] * 16 and scale[-1].tolist() == [0.25] * 16
+
+
 def test_int4_packs_two_channels_a_byte_even_low_odd_high():
     codes = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.uint8)
     packed = kq.pack(codes, -1, 2)
@@ -68,11 +93,17 @@ def test_int4_packs_two_channels_a_byte_even_low_odd_high():
 
 def test_non_finite_or_out_of_range_values_are_refused():
     x = torch.randn(2, 32)
-    for bad in (float("nan"), float("inf"), 1e6):
+    nan, beyond = "holding NaN or inf values (kv_quant)", "beyond +/-65504: kv_quant keeps float16 scales"
+    for bad, says in ((float("nan"), nan), (float("inf"), nan), (-float("inf"), nan), (1e6, beyond), (-1e6, beyond),
+                      (70000.0, beyond)):
         y = x.clone()
         y[1, 3] = bad
-        with pytest.raises(ValueError, match="kv_quant|quantise"):
+        with pytest.raises(ValueError, match=f"^cannot quantise K/V {re.escape(says)}$"):
             kq.quant_params(y, 16, 255)
+    edge = torch.zeros(2, 32)
+    edge[0, :16], edge[1, 16:] = 65504.0, -65504.0  # float16's largest, each in a group of its own: accepted
+    scale, mn = kq.quant_params(edge, 16, 255)
+    assert mn.tolist() == [[65504.0, 0.0], [0.0, -65504.0]]
     with pytest.raises(ValueError, match="kv_quant must be one of"):
         kq.kv_quant_format("int3")
     with pytest.raises(ValueError, match="power of two"):
@@ -137,6 +168,56 @@ def _check_store(run: _Run) -> None:
     dk = (k - run.k)[:, :, h : h + n] * keep[None, :, None, :]
     assert float(dk.abs().max()) <= kmax / 2 * 1.001 + 1e-6
     assert float((v - run.v)[:, :, h : h + n].abs().max()) <= vmax / 2 * 1.001 + 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-k8"])
+def test_writes_of_any_size_keep_every_middle_token_within_half_a_step(fmt):
+    """Writes of irregular sizes (the positional rule's, a K group larger than a write): the open K group's tokens are
+    requantised from their originals each time, so after every write each stored K and V value is within half a
+    step of the value written, read back from the raw codes token by token."""
+    from leank_infer.decode.layout import ChannelGroups
+    from leank_infer.decode.quant_middle import QuantMiddleStore
+
+    def kept(k: torch.Tensor, heads: torch.Tensor, ch: torch.Tensor) -> torch.Tensor:  # [B, Hg, m, c]
+        return k[:, heads].gather(-1, ch[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
+
+    q = FORMATS[fmt]
+    g = torch.Generator().manual_seed(3)
+    keep = torch.zeros(3, 16, dtype=torch.bool)
+    keep[0, :5], keep[1, ::3], keep[2, 4:9] = True, True, True  # groups of 5, 6 and 5 channels
+    groups = ChannelGroups.from_keep(keep)
+    store = QuantMiddleStore(q, groups, 2, 16, torch.float32, torch.device("cpu"), 4)
+    ks, vs = [], []
+    for m in (5, 3, 6, 2, 7, 1, 9, 4):
+        k = torch.randn(2, 3, m, 16, generator=g) * (1 + 10 * torch.rand(1, 3, 1, 16, generator=g))
+        v = torch.randn(2, 3, m, 16, generator=g)
+        store.write([kept(k, heads, ch) for heads, ch in zip(groups.heads, groups.channels, strict=True)],
+                    v[:, groups.nonzero_order], 64)
+        ks.append(k)
+        vs.append(v)
+        kall, vall = torch.cat(ks, 2), torch.cat(vs, 2)
+        n = kall.shape[2]
+        assert store.n == n and store.open_tokens() == (store.phase + n) % q.k_group
+        for gi, (heads, ch) in enumerate(zip(groups.heads, groups.channels, strict=True)):
+            want = kept(kall, heads, ch)
+            # token j sits in slot phase + j, of K group (phase + j) // k_group; codes [B, Hg, packed c, slot]
+            slots = torch.arange(store.phase, store.phase + n)
+            codes = store.k_codes[gi][..., slots]
+            if q.per_byte == 2:  # channel 2i in the low nibble, 2i + 1 in the high one
+                codes = torch.stack([codes & 15, codes >> 4], 3).flatten(2, 3)
+            codes = codes[:, :, : ch.shape[1]].float()
+            scale = store.k_scale[gi].float()[..., slots // q.k_group]
+            got = codes * scale + store.k_min[gi].float()[..., slots // q.k_group]
+            err = (got - want.transpose(2, 3)).abs()
+            assert bool((err <= scale / 2 * 1.001 + 1e-6).all()), (fmt, n, gi, float(err.max()))
+        vq = store.v_codes[:, :, :n].float()
+        if q.per_byte == 2:
+            vq = torch.stack([vq.long() & 15, vq.long() >> 4], -1).flatten(-2).float()[..., :16]
+        vg = store.v_group
+        back = (vq.unflatten(-1, (-1, vg)) * store.v_scale[:, :, :n, :, None].float()
+                + store.v_min[:, :, :n, :, None].float()).flatten(-2)
+        bound = store.v_scale[:, :, :n].float().repeat_interleave(vg, -1) / 2 * 1.001 + 1e-6
+        assert bool(((back - vall[:, groups.nonzero_order]).abs() <= bound).all())
 
 
 # ---- the cache: decode with kv_quant = decode over the dequantised K/V -------------------------------------

@@ -109,7 +109,7 @@ def quant_params(x: torch.Tensor, group: int, levels: int) -> tuple[torch.Tensor
         raise ValueError(f"cannot quantise K/V beyond +/-{_F16_MAX:g}: kv_quant keeps float16 scales")
     lo16 = lo.to(PARAM_DTYPE)
     lo16 = torch.where(lo16.float() > lo, torch.nextafter(lo16, lo16.new_full((), float("-inf"))), lo16)
-    step = (hi - lo16.float()) / levels
+    step = (hi.double() - lo16.double()) / levels  # float64: float32's rounding could land a hair under the range
     step16 = step.to(PARAM_DTYPE)
     step16 = torch.where(step16.float() < step, torch.nextafter(step16, step16.new_full((), float("inf"))), step16)
     tiny = torch.finfo(PARAM_DTYPE).tiny  # a constant group: any positive scale, the codes are 0

@@ -242,3 +242,26 @@ def test_a_dense_prompt_caches_prompt_blocks_only_and_hits_from_the_start():
     computed, _ = LeanKWindowManager.find_longest_cache_hit(hashes, 600, [0], m2.block_pool, m2.kv_cache_spec, False, BS)
     m2.add_local_computed_blocks("s", computed[0], 3 * BS, 0)
     assert real(m2.req_to_blocks["s"]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dense_prompt", [False, True], ids=["positional", "dense-prompt-done"])
+def test_blocks_held_are_exactly_the_sink_and_the_next_querys_window_at_every_length(dense_prompt):
+    """After ``n`` tokens, block ``i`` is real iff it holds a sink token or a position the next query (at ``n``)
+    reads with every channel, ``n - WINDOW + 1 .. n - 1``: counted over two blocks' worth of lengths, so the lengths
+    where that window starts on a block boundary (one block fewer) are among them; a decode step after it holds that
+    window and the new token (the step frees before it allocates).
+    Under dense-prompt the prompt is done here (computed earlier, 16 tokens), so the rule is the same."""
+    for n in range(600, 600 + 2 * BS + 1):
+        m = manager(dense_prompt=dense_prompt)
+        m.num_cached_block["r"] = 0
+        prompt = 16 if dense_prompt else None
+        if dense_prompt:
+            step(m, "r", 0, 16, prompt)
+            step(m, "r", 16, n - 16)
+        else:
+            step(m, "r", 0, n)
+        want = sorted({q // BS for q in [*range(SINK), *range(n - WINDOW + 1, n)]})
+        assert real(m.req_to_blocks["r"]) == want, n
+        step(m, "r", n, 1)  # a decode step: what the query at n read stays until the next step frees it, plus n
+        want = sorted({q // BS for q in [*range(SINK), *range(n - WINDOW + 1, n + 1)]})
+        assert real(m.req_to_blocks["r"]) == want, n
