@@ -202,8 +202,8 @@ def test_real_cache_layer_layout():
     layer = LeanKLayer(_keep([0, 16, 32], d, gen), sink_size=4, recent_size=8, accumu_size=4)
     k = torch.randn(b, hkv, total, d, generator=gen).half()
     v = torch.randn(b, hkv, total, d, generator=gen).half()
-    # row 1 left-padded by 8, a multiple of accumu_size: the rows' recent parts start together (padding by other
-    # amounts scores some tail keys with the kept channels, which the kernel leaves to the PyTorch path)
+    # row 1 left-padded by 8, a multiple of accumu_size: the rows' recent parts start together (other amounts:
+    # test_left_padded_dense_prompt_decode_stays_on_the_kernel)
     pos = torch.arange(total).expand(b, total) - torch.tensor([[0], [8]])
     layer.update(k, v, kwargs={"position_ids": pos.clamp_min(0)})
     assert layer.starts.tolist() == [0, 8]
@@ -327,17 +327,58 @@ def test_q_len_above_one_falls_back_to_torch():
     torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
 
 
-def test_tail_keys_with_kept_channels_fall_back_to_torch():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tail_masked", [False, True])
+def test_tail_keys_with_kept_channels_in_the_kernel(dtype, tail_masked):
     """The positional rule with left padding scores a row's oldest tail keys with the kept channels
-    (``DecodeMasks.tail_mid``): the kernel does not, so the dispatcher takes the PyTorch path."""
-    q, layout, masks, scale = make_case([16, 32], mid=5)
-    tail_mid = torch.zeros(1, 1, layout.tail_len, dtype=torch.bool)
-    tail_mid[..., :3] = True
-    masks = dataclasses.replace(masks, tail=~tail_mid, tail_mid=tail_mid)
-    with pytest.raises(ValueError, match="tail keys scored with the kept channels"):
-        td.triton_decode_attention(q, layout, masks, scale)
-    got = bk.decode_attention(q, layout, masks, scale, backend="triton")
-    torch.testing.assert_close(got, torch_decode_attention(q, layout, masks, scale))
+    (``DecodeMasks.tail_mid``, its own pattern per row); a zero-channel head attends none of them. The tail spans
+    several tiles and splits, and a row's kept-channel keys reach into the second tile."""
+    q, layout, masks, scale = make_case([16, 0, 48], head=6, mid=11, tail=40, starts=(0, 3, 5), dtype=dtype, seed=9)
+    j = torch.arange(layout.tail_len).view(1, 1, -1)
+    tail_mid = j < torch.tensor([0, 3, 21]).view(-1, 1, 1)  # row 0: none, row 2 past the first 16-key tile
+    tail = ~tail_mid
+    if tail_masked:  # the model's own mask on top (both regions)
+        seen = torch.rand(3, 1, layout.tail_len, generator=torch.Generator().manual_seed(2)) > 0.2
+        tail_mid, tail = tail_mid & seen, tail & seen
+    masks = dataclasses.replace(masks, tail=tail, tail_mid=tail_mid)
+    assert td.unsupported(q, layout, masks) is None
+    got = run_and_check((q, layout, masks, scale), splits=3, block_n=16)
+    # the kept channels matter: scoring those keys with every channel gives another answer
+    full = dataclasses.replace(masks, tail=tail | tail_mid, tail_mid=None)
+    assert not torch.allclose(got, torch_decode_attention(q, layout, full, scale), atol=1e-2)
+
+
+@pytest.mark.parametrize("pad", [5, 6])
+def test_left_padded_dense_prompt_decode_stays_on_the_kernel(monkeypatch, pad):
+    """A LeanKLayer under the default rule (dense-prompt), row 1 left-padded by an amount that is not a multiple
+    of accumu_size: the rows reach a key's middle at different steps, so steps carry ``tail_mid``. The dispatcher
+    runs the kernel on them (not the PyTorch fallback), and it equals the PyTorch path."""
+    from leank_infer.decode.cache import LeanKLayer
+
+    gen = torch.Generator().manual_seed(11)
+    b, hkv, g, d, prompt = 2, 3, 2, 32, 24
+    layer = LeanKLayer(_keep([0, 16, 32], d, gen), sink_size=4, recent_size=8, accumu_size=4)
+    kv = lambda n: torch.randn(b, hkv, n, d, generator=gen).half()  # noqa: E731
+    pos = torch.arange(prompt).expand(b, prompt) - torch.tensor([[0], [pad]])
+    layer.update(kv(prompt), kv(prompt), kwargs={"position_ids": pos.clamp_min(0)})
+    assert layer.starts.tolist() == [0, pad]
+    calls = []
+    real = td.triton_decode_attention
+    monkeypatch.setattr(td, "triton_decode_attention", lambda *a: calls.append(1) or real(*a))
+    with_tail_mid = 0
+    for _ in range(12):
+        layer.update(kv(1), kv(1))
+        q = torch.randn(b, hkv * g, 1, d, generator=gen).half()
+        layout, masks = layer.layout(), layer.decode_masks(None, 1)
+        before = len(calls)
+        got = bk.decode_attention(q, layout, masks, d**-0.5, backend="triton")
+        assert len(calls) == before + 1  # the kernel, not the fallback
+        if masks.tail_mid is not None:
+            with_tail_mid += 1
+            assert (masks.tail_mid[0] != masks.tail_mid[1]).any()  # the rows' own patterns
+        want = torch_decode_attention(*_fp32((q, layout, masks, d**-0.5)))
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+    assert with_tail_mid >= 4, with_tail_mid
 
 
 # ---- dispatcher --------------------------------------------------------------------------------

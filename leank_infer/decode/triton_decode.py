@@ -29,8 +29,10 @@ strides (1 byte per key per KV head, next to >= 2 * 16 bytes of K): any per-row 
 (left padding, row starts), no host sync is needed to turn them into offsets, and ``None`` skips
 the load. Not supported (:func:`unsupported`; the dispatcher sends them to the PyTorch path): ``q_len > 1`` (prefill-like chunks, or
 speculative verification), dtypes other than fp16/bf16/fp32, V head_dim != K head_dim, a
-non-positive ``softcap``, tail keys to score with the kept channels (``tail_mid``: the positional rule
-with left padding). Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
+non-positive ``softcap``. Tail keys a row scores with the kept channels (``tail_mid``: the positional
+rule with left padding) are scored like the head's middle keys: a second dot with q zeroed off the kept
+channels, selected per key, and skipped by zero-channel heads (a constexpr branch: steps without them
+compile without it). Attention logit soft-capping (Gemma 2's ``softcap``) is a constexpr branch
 of the score step (:func:`_logits`): models without it compile the plain kernel.
 """
 
@@ -132,20 +134,22 @@ def _store_partial(
 
 @_jit
 def _full_part(
-    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L, b, kvh, split,
+    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, TMID, ACC, M, L, b, kvh, split,
     sq_b, sq_h, sq_d,
     shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
     stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
-    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n, stt_b, stt_n,
     head_len, head_pad, tail_len, split_len, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TAIL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, HAS_TAIL_MID: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of (row b, KV head kvh, split) over the virtual sequence [head | pad | tail].
 
     The head is padded to ``head_pad`` (a multiple of BLOCK_N) so tail tiles stay aligned. Head keys
     are scored with all channels (``head_full``) or only the kept ones (``head_mid``: that row's
     middle keys stored in the head, e.g. under left padding); zero-channel heads skip the latter.
+    ``HAS_TAIL_MID``: likewise tail keys flagged in ``TMID`` (a row's keys already past its recent part,
+    under the positional rule with left padding) are scored with the kept channels, or skipped by a zero head.
     """
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -196,7 +200,12 @@ def _full_part(
         ok = in_range
         if HAS_TAIL_MASK:
             ok = ok & (tl.load(TMASK + b * stm_b + j * stm_n, mask=in_range, other=0) != 0)
-        s = _logits(tl.dot(q, k, input_precision=PREC), qk_scale, cap_log2, SOFTCAP)
+        s = tl.dot(q, k, input_precision=PREC)
+        if HAS_TAIL_MID:  # the head loop's rule: kept channels for this row's middle keys, none for a zero head
+            tmid = tl.load(TMID + b * stt_b + j * stt_n, mask=in_range, other=0) != 0
+            s = tl.where(tmid[None, :], tl.dot(q_kept, k, input_precision=PREC), s)
+            ok = ok | (tmid & nonzero)
+        s = _logits(s, qk_scale, cap_log2, SOFTCAP)
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(
             TV + b * stv_b + kvh * stv_h + j[:, None] * stv_n + offs_d[None, :] * stv_d,
@@ -331,16 +340,16 @@ def _mid_part(
 # vectorised loads, are.
 _VARYING = ["head_len", "head_pad", "tail_len", "full_split_len", "n_full_splits", "n_full_programs"]
 _VARYING += ["mid_len", "mid_split_len", "n_mid_splits", "n_nonzero", "n_slots", "phase", "ks_cap"]
-_VARYING += ["shf_b", "shm_b", "stm_b", "smm_b"]  # row strides of masks sliced from the model's growing mask
+_VARYING += ["shf_b", "shm_b", "stm_b", "stt_b", "smm_b"]  # row strides of masks sliced from the model's growing mask
 
 
 @_jit(do_not_specialize=_VARYING)
 def _partials_kernel(
-    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, MK, MCH, MV, NZ, MMASK, ACC, M, L,
+    Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, TMID, MK, MCH, MV, NZ, MMASK, ACC, M, L,
     sq_b, sq_h, sq_d,
     shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
     stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
-    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+    skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n, stt_b, stt_n,
     smv_b, smv_h, smv_n, smv_d, smm_b, smm_n,
     STARTS, SIZES, COUNTS,
     MKS, MKM, VS, VM, svs_b, svs_h, svs_n, svs_d, ks_cap, phase,
@@ -348,8 +357,8 @@ def _partials_kernel(
     mid_len, mid_cap, mid_split_len, n_mid_splits, n_nonzero, n_kv_heads, n_slots, qk_scale, cap_log2,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    HAS_TAIL_MASK: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-    MID_CM: tl.constexpr, QBITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+    HAS_TAIL_MASK: tl.constexpr, HAS_TAIL_MID: tl.constexpr, HAS_MID_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr, MID_CM: tl.constexpr, QBITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
 ):  # fmt: skip
     """All partials of a decode step in one launch: programs ``[0, n_full_programs)`` do the full parts
     of (row, KV head, split), the rest the middle of (row, nonzero head, split), every group included."""
@@ -358,13 +367,14 @@ def _partials_kernel(
         split = pid % n_full_splits
         bh = (pid // n_full_splits).to(tl.int64)  # int64: row * stride passes 2**31 elements in big caches
         _full_part(
-            Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, ACC, M, L, bh // n_kv_heads, bh % n_kv_heads, split,
+            Q, HK, HV, TK, TV, KEEP, HFULL, HMID, TMASK, TMID, ACC, M, L, bh // n_kv_heads, bh % n_kv_heads,
+            split,
             sq_b, sq_h, sq_d,
             shk_b, shk_h, shk_n, shk_d, shv_b, shv_h, shv_n, shv_d,
             stk_b, stk_h, stk_n, stk_d, stv_b, stv_h, stv_n, stv_d,
-            skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n,
+            skeep_h, skeep_d, shf_b, shf_n, shm_b, shm_n, stm_b, stm_n, stt_b, stt_n,
             head_len, head_pad, tail_len, full_split_len, n_kv_heads, n_slots, qk_scale, cap_log2,
-            G, D, BLOCK_G, BLOCK_D, BLOCK_N, HAS_TAIL_MASK, SOFTCAP, PREC,
+            G, D, BLOCK_G, BLOCK_D, BLOCK_N, HAS_TAIL_MASK, HAS_TAIL_MID, SOFTCAP, PREC,
         )  # fmt: skip
     else:
         p = pid - n_full_programs
@@ -489,9 +499,7 @@ def unsupported(query: torch.Tensor, layout: DecodeLayout, masks: DecodeMasks, s
         return f"dtype {query.dtype}"
     if layout.full_v.shape[-1] != query.shape[-1]:
         return "V head_dim != K head_dim"
-    if masks.tail_mid is not None:
-        return "tail keys scored with the kept channels (the positional rule's tail, with left padding)"
-    for m in (masks.head_full, masks.head_mid, masks.mid, masks.tail):
+    for m in (masks.head_full, masks.head_mid, masks.mid, masks.tail, masks.tail_mid):
         if m is not None and (m.ndim != 3 or m.shape[1] != 1 or m.dtype != torch.bool):
             return "a mask that is not [B, 1, n] bool"
     return None
@@ -597,6 +605,7 @@ def triton_decode_attention(
         head_mid = torch.zeros(1, 1, h, dtype=torch.bool, device=device)
     hf, hm = _row_mask(head_full, b, h), _row_mask(head_mid, b, h)
     tm, mm = _row_mask(masks.tail, b, t), _row_mask(masks.mid, b, layout.mid_len)
+    tmid = _row_mask(masks.tail_mid, b, t)
     mid_cap, mid_cm = 1, False
     quant = layout.quant
     qbits, kg, vg, phase, ks_cap = 0, 1, 1, 0, 1
@@ -625,9 +634,10 @@ def triton_decode_attention(
     if grid[0]:  # else nothing is cached: the merge writes zeros
         _partials_kernel[grid](
             q, head_k, head_v, tail_k, tail_v, keep, hf, hm, tm if tm is not None else hf,
-            mk, mch, mv, groups.nonzero_order, mm if mm is not None else hf, acc, m_ws, l_ws,
+            tmid if tmid is not None else hf, mk, mch, mv, groups.nonzero_order, mm if mm is not None else hf, acc, m_ws, l_ws,
             *q.stride(), *head_k.stride(), *head_v.stride(), *tail_k.stride(), *tail_v.stride(),
             *keep.stride(), *hf.stride(), *hm.stride(), *(tm.stride() if tm is not None else (0, 0)),
+            *(tmid.stride() if tmid is not None else (0, 0)),
             *mv.stride(), *(mm.stride() if mm is not None else (0, 0)),
             starts, sizes, counts,
             mks, mkm, vs, vm, *vs.stride(), ks_cap, phase,
@@ -635,7 +645,7 @@ def triton_decode_attention(
             n, mid_cap, mid_split, s_mid, n_nonzero, hkv, n_slots, qk_scale, cap_log2,
             G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
             BLOCK_C=max(16, triton.next_power_of_2(max(counts))), BLOCK_D=block_d, BLOCK_N=block_n,
-            NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_MID_MASK=mm is not None,
+            NUM_GROUPS=len(mk), HAS_TAIL_MASK=tm is not None, HAS_TAIL_MID=tmid is not None, HAS_MID_MASK=mm is not None,
             SOFTCAP=softcap is not None, MID_CM=mid_cm, QBITS=qbits, KG=kg, VG=vg,
             PREC="ieee" if query.dtype == torch.float32 else None,  # fp32: exact products, not TF32
             num_warps=NUM_WARPS,
