@@ -128,8 +128,8 @@ def run_installed(code: str, target: Path, cwd: Path, python: str = sys.executab
 
 
 def readme_quick_start(root: Path = ROOT) -> str:
-    """The Python block of README.md's "Quick start", its relative mask folder made absolute (the run's working
-    directory is outside the repo)."""
+    """The Python block of README.md's "Quick start", the repository files it names (a mask folder of hub/, the
+    text it reads) made absolute: the run's working directory is outside the repo."""
     text = (root / "README.md").read_text()
     section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
@@ -137,6 +137,7 @@ def readme_quick_start(root: Path = ROOT) -> str:
     folders = set(re.findall(r"""from_pretrained\(["'](hub/[^"']+)["']""", code))
     if not folders:
         raise ValueError("README's quick start loads no mask folder of hub/")
-    for folder in folders:
-        code = code.replace(f'"{folder}"', repr(str(root / folder))).replace(f"'{folder}'", repr(str(root / folder)))
+    files = {m for m in re.findall(r"""open\(["']([^"']+)["']""", code) if (root / m).is_file()}
+    for name in folders | files:
+        code = code.replace(f'"{name}"', repr(str(root / name))).replace(f"'{name}'", repr(str(root / name)))
     return code

@@ -82,7 +82,7 @@ def test_eval_cli_plot_and_card_keep_earlier_results(tmp_path, capsys):
 
     write_model_card(mask_dir, figures={"other.png": "leank eval x y"})
     card = (mask_dir / "README.md").read_text()
-    assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card and "`leank eval x y`" in card
+    assert "accuracy (leank)" in card and "![acc.png](acc.png)" in card and "<code>leank eval x y</code>" in card
 
 
 def test_baselines_keep_sliding_layers_dense_and_the_masks_metadata():

@@ -650,8 +650,8 @@ def test_card_says_which_quantisation_each_method_was_evaluated_with(tmp_path):
     text = (tmp_path / "README.md").read_text()
     assert text.count("## KV quantisation") == 1
     row = text.index("| LeanK | int4 | 2,756 | 0.900 +/- 0.020 | 0.800 +/- 0.030 |")
-    assert row < text.index("1. 1,024 tokens: `python benchmarks/eval_masks.py x --kv-quants int4`") < text.index(
-        "2. 2,048 tokens: `python benchmarks/eval_masks.py y --lengths 2048`")
+    assert row < text.index("1. 1,024 tokens: <code>python benchmarks/eval_masks.py x --kv-quants int4</code>") < text.index(
+        "2. 2,048 tokens: <code>python benchmarks/eval_masks.py y --lengths 2048</code>")
 
 
 @pytest.mark.parametrize("bad, says", [

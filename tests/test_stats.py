@@ -54,8 +54,10 @@ def test_summary_cells_paired_counts_and_headline():
     assert h["leank"]["paired"]["only_full"] == 1
 
 
-def test_card_model_index_has_one_result_per_task_length_and_method(tmp_path):
-    """Through huggingface_hub's own EvalResult / ModelCardData round trip: length and method survive."""
+def test_card_model_index_has_one_headline_per_length_and_method(tmp_path):
+    """Through huggingface_hub's own EvalResult / ModelCardData round trip: each length's headline of each method
+    survives in the metadata; every task row, with its interval and paired counts, stays in eval.json and the
+    card's table."""
     import json
 
     import torch
@@ -74,15 +76,17 @@ def test_card_model_index_has_one_result_per_task_length_and_method(tmp_path):
     write_model_card(tmp_path, card_results(res, "leank eval x"))
     card = ModelCard.load(tmp_path / "README.md")
     got = {(r.dataset_args["task"], r.dataset_args["length"], r.metric_config): r for r in card.data.eval_results}
-    want = {(t, n, m) for t in ("a", "b", "headline") for n in (100, 200) for m in ("full", "leank")}
-    assert set(got) == want
-    r = got[("a", 200, "leank")]
-    assert r.dataset_name == "leank-ruler a, 200 tokens" and r.metric_name == "accuracy (leank)"
-    assert r.metric_value == 0.8 and r.metric_args["paired_vs_full"]["only_full"] == 1
-    assert r.metric_args["wilson95"] == pytest.approx(list(wilson_interval(4, 5)))
+    assert set(got) == {("headline", n, m) for n in (100, 200) for m in ("full", "leank")}
     assert got[("headline", 100, "leank")].dataset_args["tasks"] == ["a"]
-    # the card's table and the printed table carry the interval and the paired counts
-    assert "| leank-ruler a, 100 tokens | 5/5 1.00 [0.57, 1.00] | 4/5 0.80 [0.38, 0.96] -1/+0 |" in card.text
+    assert got[("headline", 200, "leank")].metric_value == 0.8
+    kept = {(r["dataset_args"]["task"], r["dataset_args"]["length"], r["metric_config"]): r
+            for r in json.loads((tmp_path / "eval.json").read_text())["results"]}
+    r = kept[("a", 200, "leank")]
+    assert r["dataset"] == "leank-ruler a, 200 tokens" and r["metric"] == "accuracy (leank)"
+    assert r["value"] == 0.8 and r["metric_args"]["paired_vs_full"]["only_full"] == 1
+    assert r["metric_args"]["wilson95"] == pytest.approx(list(wilson_interval(4, 5)))
+    # the card's table carries the counts and the paired differences
+    assert "| a | 5/5 | 4/5 (-1/+0) |" in card.text and "| b | 2/5 | 3/5 (-2/+3) |" in card.text
     table = format_table(res)
     assert "| a | leank | 4/5 0.80 [0.38, 0.96] -1/+0 | 4/5 0.80 [0.38, 0.96] -1/+0 |" in table
     assert "headline tasks at 100 tokens (1): a" in table
@@ -154,7 +158,7 @@ def test_the_cards_headline_value_of_each_method_is_that_methods_score(tmp_path)
     assert {m: r.metric_args["se"] for m, r in heads.items()} == pytest.approx(
         {m: res["headline"][100][m]["se"] for m in methods})
     for m in methods:  # the card's table cell of the headline row says the same number
-        assert f"{scores[m]:.3f} +/- " in card.text
+        assert f"{scores[m]:.3f} ± " in card.text
 
 
 def test_a_task_without_probes_at_one_length_leaves_the_other_lengths_and_tasks_alone():
