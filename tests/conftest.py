@@ -161,3 +161,18 @@ def fake_embedded(tmp_path, monkeypatch):
     monkeypatch.setattr("transformers.AutoModelForCausalLM", FakeAuto)
     monkeypatch.setattr("transformers.AutoTokenizer", FakeTok)
     return lambda: loading._embedded_copy(gguf)
+
+
+@pytest.fixture
+def alarm():
+    """Fail (instead of hanging the suite) when the test body runs longer than ``seconds``: SIGALRM interrupts
+    even `re`'s C matching loop in the main thread."""
+    import signal
+
+    def expire(*_):
+        raise TimeoutError("hung: still running when the alarm went off")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)

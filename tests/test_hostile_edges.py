@@ -156,19 +156,6 @@ def test_overrides_that_retune_the_model_still_load(tmp_path):
 
 
 # ---- M1: an adapter's regular expressions cannot hang leank ---------------------------------------------------
-@pytest.fixture
-def alarm():
-    """Fail (instead of hanging the suite) when the test body runs longer than ``seconds``: SIGALRM interrupts
-    even `re`'s C matching loop in the main thread."""
-    import signal
-
-    def expire(*_):
-        raise TimeoutError("hung: still running when the alarm went off")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def _adapter(tmp_path: Path, **fields) -> tuple[Path, object]:

@@ -442,30 +442,16 @@ def _ia3_adapter(tmp_path: Path, **fields):
     return tmp_path / "ia3", base
 
 
-@pytest.fixture
-def time_limit():
-    """Fail instead of hanging when the body runs longer than the seconds given (SIGALRM)."""
-    import signal
-
-    def expire(*_):
-        raise TimeoutError("hung: still running when the alarm went off")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
-
-
 @pytest.mark.parametrize("fields, message", [
     ({"feedforward_modules": r"(.|\w|[a-z.])*\d\d\d"}, r"feedforward_modules .* takes more than 2 s to match"),
     ({"feedforward_modules": "(unclosed"}, "feedforward_modules .* is not a valid regular expression"),
 ])
-def test_an_ia3_adapters_feedforward_regex_is_bounded(tmp_path, time_limit, fields, message):
+def test_an_ia3_adapters_feedforward_regex_is_bounded(tmp_path, alarm, fields, message):
     """Item 17: IA3's ``feedforward_modules`` (peft ``re.fullmatch``-es it) is matched with a time limit."""
     from leank_infer.model.loading import BaseModelError, apply_adapter
 
     folder, base = _ia3_adapter(tmp_path, **fields)
-    time_limit(30)
+    alarm(30)
     with pytest.raises(BaseModelError, match=message):
         apply_adapter(base, folder)
 
@@ -482,7 +468,7 @@ def test_every_pattern_field_of_a_peft_config_is_checked():
             resolve_adapter_patterns(config, ["model.q_proj"])
 
 
-def test_an_ia3_adapter_with_a_plain_feedforward_regex_applies_as_peft_would(tmp_path, time_limit):
+def test_an_ia3_adapter_with_a_plain_feedforward_regex_applies_as_peft_would(tmp_path, alarm):
     import copy
 
     from peft import PeftModel
@@ -491,7 +477,7 @@ def test_an_ia3_adapter_with_a_plain_feedforward_regex_applies_as_peft_would(tmp
 
     folder, base = _ia3_adapter(tmp_path, target_modules=r".*\.(k_proj|v_proj|down_proj)",
                                 feedforward_modules=r".*\.down_proj")
-    time_limit(60)
+    alarm(60)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     want = PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()(ids).logits
     got = apply_adapter(copy.deepcopy(base), folder)(ids).logits

@@ -31,6 +31,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ..folders.file_hash import file_sha256
+
 # No -ffast-math: it would let the compiler assume no NaN (the tests' NaN pages catch stray reads) and, in a
 # shared library built by GCC < 13, switch the whole process to flush-to-zero.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC"]
@@ -54,12 +56,7 @@ def cpu_id() -> str:
 RECORD_SUFFIX = ".sha256"  # NAME.so.sha256 beside NAME.so: the library's SHA-256 as the build wrote it
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+_sha256 = file_sha256  # module-level name: tests patch it to count the files hashed
 
 
 def folder_problem(directory: Path) -> str | None:

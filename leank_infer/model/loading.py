@@ -22,6 +22,7 @@ import torch
 from ..folders.atomic import create_folder, remove_folder
 from ..folders.cache_root import CacheRootError
 from ..folders.cache_root import cache_root as _cache_root
+from ..folders.file_hash import file_sha256
 from ..folders.names import inner_file_problem
 from .adapter_patterns import AdapterPatternError, resolve_adapter_patterns
 
@@ -67,12 +68,7 @@ COPY_HASHES = ".leank-copy-sha256.json"
 _VERIFIED: dict[Path, tuple[int, int]] = {}  # copies whose hashes this process checked: (ino, mtime) of the record
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+_sha256 = file_sha256  # module-level name: tests patch it to count the files hashed
 
 
 def _content_problem(folder: Path, names: list[str]) -> str | None:
