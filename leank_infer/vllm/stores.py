@@ -42,8 +42,8 @@ class LeanKMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32: tokens of each request after this step
     block_table: torch.Tensor  # [num_reqs, blocks] int32 (packed store)
     slot_mapping: torch.Tensor  # [num_tokens] int64 (packed store)
-    # the other requests (prefill chunks, or several tokens), one tuple each: (row, first token, end token,
-    # cached, prompt): ``prompt`` is the request's prompt length under the "dense-prompt" rule (its queries
+    # the other requests (prefill chunks, or several tokens), and the decodes whose one token is a prompt token
+    # under the "dense-prompt" rule, one tuple each: (row, first token, end token, cached, prompt): ``prompt`` is the request's prompt length under the "dense-prompt" rule (its queries
     # before it attend densely), 0 under the positional rule
     extends: tuple[tuple[int, int, int, int, int], ...]
 
@@ -79,18 +79,27 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
     ) -> LeanKMetadata:
         cm = common_attn_metadata
         num_decodes, num_prefills, _, _ = split_decodes_and_prefills(cm, decode_threshold=1)
+        lens_cpu = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()
+        prompts = None
+        if self.dense_prompt:
+            if cm.rswa_prefix_lens is None:  # set up by backend.plan_worker; a silent positional prefill else
+                raise RuntimeError("LeanK's dense-prompt rule needs the prompt lengths vLLM did not pass")
+            prompts = cm.rswa_prefix_lens[: cm.num_reqs]
+        # a one-token step is a decode for vLLM, but the last prompt token (a prefix-cache hit that leaves one
+        # token, a one-token chunk) is a prompt query under the dense-prompt rule: it runs as an extend too,
+        # after the batched decode, whose output for it is overwritten
+        prompt_rows = []
+        if prompts is not None and num_decodes:
+            prompt_rows = torch.nonzero(lens_cpu[:num_decodes] <= prompts[:num_decodes].to(lens_cpu.device)).flatten().tolist()
         extends: tuple[tuple[int, int, int, int, int], ...] = ()
-        if num_prefills:  # host values, once per step (not per layer): the chunks' bounds
+        if num_prefills or prompt_rows:  # host values, once per step (not per layer): the chunks' bounds
             starts = cm.query_start_loc_cpu.tolist()
-            lens = (cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()).tolist()
-            prompts = [0] * cm.num_reqs
-            if self.dense_prompt:
-                if cm.rswa_prefix_lens is None:  # set up by backend.plan_worker; a silent positional prefill else
-                    raise RuntimeError("LeanK's dense-prompt rule needs the prompt lengths vLLM did not pass")
-                prompts = cm.rswa_prefix_lens[: cm.num_reqs].tolist()
+            lens = lens_cpu.tolist()
+            sizes = prompts.tolist() if prompts is not None else [0] * cm.num_reqs
+            rows = [*prompt_rows, *range(num_decodes, cm.num_reqs)]
             extends = tuple(
-                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]), prompts[i])
-                for i in range(num_decodes, cm.num_reqs)
+                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]), sizes[i])
+                for i in rows
                 if starts[i + 1] > starts[i]
             )
         return LeanKMetadata(
