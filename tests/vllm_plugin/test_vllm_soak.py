@@ -11,22 +11,16 @@ client timeout (:data:`REQUEST_S`): a server that stops scheduling fails the tes
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 
-from .conftest import MASK, reference_tokens
+from .conftest import reference_tokens
+from .openai_server import openai_server
 from .test_vllm_plugin import prose
-from .test_vllm_server import START_TIMEOUT_S, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,41 +31,6 @@ DROPPED = 3  # streaming requests closed after their first tokens
 IDLE_S = 15  # how long the KV usage may take to return to zero
 REQUEST_S = 600  # one request's limit: a server that stops scheduling fails here (the load takes minutes at most)
 PREEMPT_WAVES = 2
-
-
-@contextmanager
-def openai_server(model_dir, log, *extra: str):
-    """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port (development endpoints on); yields
-    its base URL."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
-        "--additional-config", json.dumps({"leank_mask": MASK}), "--dtype", "float32", *extra,
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"the server is not up after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
-            time.sleep(2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 def metric(url: str, name: str) -> float:
@@ -97,7 +56,7 @@ def test_concurrent_dropped_and_preempted_requests_answer_as_one_at_a_time(model
     prompts = [ids[2000 * d : 2000 * d + n] + tokenizer(ask).input_ids for d, n in enumerate(DOCS) for ask in ASKS]
     reference = reference_tokens(prompts, NEW_TOKENS)  # LeanKModel.generate, each prompt alone
     with openai_server(model_dir, tmp_path / "serve.log", "--max-model-len", "2048", "--max-num-seqs", "16",
-                       "--enforce-eager") as url:
+                       "--enforce-eager", dev=True) as url:
         soak(url, prompts, ids, reference)
 
 
