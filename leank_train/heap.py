@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import warnings
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 THRESHOLD = 4 * 1024 * 1024  # SmolLM2's score chunk (9 heads x 256 queries) is above it from 456 keys on
@@ -28,10 +29,17 @@ def uses_glibc() -> bool:
 def fix_mmap_threshold(nbytes: int = THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at ``nbytes`` for this process (True when set; other C libraries: False).
 
-    The same as starting the process with ``MALLOC_MMAP_THRESHOLD_=nbytes``; a value the user set there
-    wins (nothing is done then), so the allocator stays theirs to tune.
+    The same as starting the process with ``MALLOC_MMAP_THRESHOLD_=nbytes``; a number the user set there
+    wins (nothing is done then), so the allocator stays theirs to tune. A value glibc cannot read as a
+    number (which glibc ignores, leaving the rising threshold) is named in one warning and replaced.
     """
-    if not uses_glibc() or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if not uses_glibc():
         return False
+    user = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if user is not None:
+        if user.strip().isdigit():
+            return False
+        warnings.warn(f"MALLOC_MMAP_THRESHOLD_={user!r} is not a number of bytes (glibc ignores it): leank fixes "
+                      f"the threshold at {nbytes:,} bytes instead", stacklevel=2)
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))

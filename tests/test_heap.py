@@ -30,6 +30,20 @@ def test_the_threshold_stays_the_users_when_they_set_it(monkeypatch):
     assert fix_mmap_threshold() is False
 
 
+@glibc
+@pytest.mark.parametrize("garbage", ["lots", "", "4M", "-1"])
+def test_a_threshold_glibc_cannot_read_is_named_and_replaced(monkeypatch, garbage):
+    """glibc ignores a value it cannot read as a number, which left its rising threshold (the heap fix off)."""
+    from leank_train import heap
+
+    set_to = []
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda _: type("C", (), {"mallopt": lambda self, p, n: set_to.append((p, n)) or 1})())
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", garbage)
+    with pytest.warns(UserWarning, match=f"MALLOC_MMAP_THRESHOLD_={garbage!r} is not a number of bytes"):
+        assert heap.fix_mmap_threshold() is True
+    assert set_to == [(heap.M_MMAP_THRESHOLD, heap.THRESHOLD)]
+
+
 def test_the_positional_student_fixes_the_threshold_and_the_dense_one_leaves_it(monkeypatch):
     from leank_train.distill import module as distill
 
