@@ -176,3 +176,19 @@ def alarm():
     yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
+
+
+def assert_applies_as_peft_would(folder, base) -> None:
+    """leank's ``apply_adapter`` of the adapter in ``folder`` gives peft's own logits on ``base`` (copies of it),
+    and they differ from the base model's (the adapter changed something)."""
+    import copy
+
+    from peft import PeftModel
+
+    from leank_infer.model.loading import apply_adapter
+
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()(ids).logits
+    got = apply_adapter(copy.deepcopy(base), folder)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, base(ids).logits, atol=1e-3)
