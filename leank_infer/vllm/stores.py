@@ -42,9 +42,10 @@ class LeanKMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32: tokens of each request after this step
     block_table: torch.Tensor  # [num_reqs, blocks] int32 (packed store)
     slot_mapping: torch.Tensor  # [num_tokens] int64 (packed store)
-    # the other requests (prefill chunks, or several tokens), and the decodes whose one token is a prompt token
-    # under the "dense-prompt" rule, one tuple each: (row, first token, end token, cached, prompt): ``prompt`` is the request's prompt length under the "dense-prompt" rule (its queries
-    # before it attend densely), 0 under the positional rule
+    # the other requests (prefill chunks, or several tokens), and under the "dense-prompt" rule the decodes whose
+    # one token is a prompt token; one tuple each: (row, first token, end token, cached, prompt): ``prompt`` is the
+    # request's prompt length under the "dense-prompt" rule (its queries before it attend densely), 0 under the
+    # positional rule
     extends: tuple[tuple[int, int, int, int, int], ...]
 
 
