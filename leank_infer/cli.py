@@ -325,10 +325,12 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
     """``func``'s keyword arguments from the command line ``argv`` (a bad one: UsageError)."""
     from argparse import ArgumentError
 
-    argv = _lists(_dashes_to_underscores(argv), func, prog)
     params = inspect.signature(func).parameters
     hints = typing.get_type_hints(func)
     recipe = next((p for p in params.values() if dataclasses.is_dataclass(hints[p.name])), None)
+    if recipe is not None:  # the recipe file (a path that exists, read as such) may have any name
+        check_argv_text(argv[1:] if argv and not argv[0].startswith("-") else argv)
+    argv = _lists(_dashes_to_underscores(argv), func, prog)
     recipe_file = argv[0] if recipe is not None and argv and not argv[0].startswith("-") else None
     if recipe_file is not None:
         from .cli_types import check_config_files
@@ -356,6 +358,22 @@ def parse(func: Callable[..., Any], argv: Sequence[str], prog: str) -> dict[str,
         hint = hints[p.name]
         kwargs[p.name] = _build(hint, values) if dataclasses.is_dataclass(hint) else values[p.name]
     return kwargs
+
+
+def check_argv_text(argv: Sequence[str]) -> None:
+    """Every recipe value on the command line is text (a UsageError naming its option, else): a shell passes a
+    byte that is not UTF-8 as a lone surrogate (PEP 383), which jsonargparse takes and a stage then fails on when
+    it writes the value (its YAML config, its logs). ``--config`` values are files, checked as such."""
+    from .cli_types import check_text
+
+    flag = "the command line"
+    for i, word in enumerate(argv):
+        if (i and argv[i - 1] == "--config") or word.startswith("--config="):
+            continue  # a file, checked as such
+        if _OPTION_WORD.match(word):  # `--key=value`: the value's characters are counted from its start
+            flag, _, word = word.partition("=")
+            check_text(flag, flag)
+        check_text(flag, word)
 
 
 def check_config_args(argv: Sequence[str]) -> None:

@@ -123,11 +123,12 @@ def run_cli(argv: Sequence[str] | None = None, **kwargs: Any) -> LeanKCLI:
 
 def fit(argv: Sequence[str]) -> int:
     """Entry of ``leank fit``: a LightningCLI command line; ``fit`` is implied when no subcommand leads."""
-    from leank_infer.cli import check_config_args
+    from leank_infer.cli import check_argv_text, check_config_args
 
     args = list(argv)
     if not args or args[0] not in SUBCOMMANDS:
         args = ["fit", *args]
+    check_argv_text(args)  # a byte that is not UTF-8 in a value: one line naming its option, not a traceback
     check_config_args(args)  # a FIFO, an alias bomb or /etc/shadow as --config: one line, before jsonargparse reads it
     run_cli(args)
     return 0

@@ -256,8 +256,9 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
             f"LeanK plan has {plan.num_kv_heads} KV heads per rank, vLLM's layer has {first.impl.num_kv_heads}"
         )
     packed_spec, window_spec = kv_specs(
-        plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype), page_bytes
-    )
+        plan, first.kv_cache_torch_dtype, get_kv_quant_mode(first.kv_cache_dtype), page_bytes,
+        vllm_config.model_config.max_model_len,
+    )  # fmt: skip
     backend = PackedBackend
     packed_name = f"{first_name}.{PACKED_SUFFIX}"
     Store(packed_name, packed_spec, backend, vllm_config)

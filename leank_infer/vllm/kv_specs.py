@@ -40,6 +40,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
+from ..mask import MaskError
+
 
 @dataclass(frozen=True, kw_only=True)
 class LeanKWindowSpec(SlidingWindowSpec):
@@ -47,6 +49,10 @@ class LeanKWindowSpec(SlidingWindowSpec):
 
     sink_len: int = 0
     dense_prompt: bool = False  # every prompt token's full row is kept while the prompt is computed
+    # what the start-up check of the pool needs (:meth:`LeanKWindowManager.check_pool`; 0: no check): how many
+    # window stores share the pool with the one packed store, and the max_model_len the worker planned for
+    window_stores: int = 0
+    max_model_len: int = 0
 
     @property
     def sink_blocks(self) -> int:
@@ -61,7 +67,8 @@ class LeanKWindowSpec(SlidingWindowSpec):
         the next step); the gap between them is never allocated (:class:`LeanKWindowManager`).
         """
         window = min(self.sliding_window, max_model_len)
-        return self.sink_blocks + 2 * (cdiv(window, self.block_size) + 1)
+        sink = cdiv(min(self.sink_len, max_model_len), self.block_size)  # no more than the request has
+        return sink + 2 * (cdiv(window, self.block_size) + 1)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """Blocks a request may need at once: :meth:`steady_blocks`, plus under ``dense_prompt`` every block of
@@ -69,6 +76,15 @@ class LeanKWindowSpec(SlidingWindowSpec):
         del max_in_flight_tokens
         prompt = cdiv(max_model_len, self.block_size) if self.dense_prompt else 0
         return prompt + self.steady_blocks(max_model_len)
+
+    def request_blocks(self, max_model_len: int) -> tuple[int, int]:
+        """(packed, window) blocks one request of ``max_model_len`` tokens holds at once, per store, while its
+        prompt is computed: what vLLM's admission asks the pool for (a window store keeps every prompt block
+        under ``dense_prompt``, else the sink and the window)."""
+        packed = cdiv(max_model_len, self.block_size)
+        if self.dense_prompt:
+            return packed, packed
+        return packed, min(packed, self.steady_blocks(max_model_len))
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """What vLLM's "KV cache size" report counts per request: the blocks it keeps while decoding (as for
@@ -88,10 +104,35 @@ class LeanKWindowManager(SlidingWindowManager):
 
     def __init__(self, kv_cache_spec: LeanKWindowSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
+        self.check_pool()
         self.sink_blocks = kv_cache_spec.sink_blocks
         self.dense_prompt = kv_cache_spec.dense_prompt
         self._step_blocks: dict[str, list[Any]] = {}  # per request, the list the last allocation returned
         self._prompt: dict[str, int] = {}  # per request, its prompt length (dense_prompt: blocks kept until done)
+
+    def check_pool(self) -> None:
+        """Refuse, at engine start, a pool too small for one request of max_model_len (one MaskError naming the
+        numbers): vLLM would admit no such request, ever, and hold it waiting without a word.
+
+        vLLM's own start-up check counts what :meth:`LeanKWindowSpec.max_memory_usage_bytes` reports, the blocks a
+        request keeps while it decodes; admission asks for more under ``dense_prompt``, every prompt block in
+        every window store at once (:meth:`LeanKWindowSpec.request_blocks`). Blocks of other groups of the pool
+        (a hybrid model's own sliding-window layers) come on top, so the need named is a lower bound."""
+        spec = self.kv_cache_spec
+        if not spec.window_stores or not spec.max_model_len:
+            return
+        packed, window = spec.request_blocks(spec.max_model_len)
+        need = packed + spec.window_stores * window
+        usable = self.block_pool.num_gpu_blocks - 1  # vLLM holds one back (its null block)
+        if need > usable:
+            rule = "the dense-prompt rule" if spec.dense_prompt else "the positional rule"
+            raise MaskError(
+                f"LeanK: the KV pool's {usable} blocks of {spec.block_size} tokens cannot hold one request of "
+                f"max_model_len {spec.max_model_len} under {rule}: it needs at least {need} at once ({packed} packed "
+                f"+ {spec.window_stores} window stores x {window}), so vLLM would never admit a request that long; "
+                "give the KV cache more memory (or a larger num_gpu_blocks_override), or lower max_model_len"
+                + (", or serve with leank_rule 'positional'" if spec.dense_prompt else "")
+            )
 
     # ---- which blocks hold data ----------------------------------------------------------------
     def _real(self, index: int, num_tokens: int, prompt: int = 0) -> bool:

@@ -164,9 +164,16 @@ class WorkerPlan:
         return self.packed_row * itemsize
 
 
-def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None, page_bytes: int | None = None) -> tuple[Any, Any]:
+def kv_specs(
+    plan: WorkerPlan,
+    dtype: torch.dtype,
+    quant_mode: Any = None,
+    page_bytes: int | None = None,
+    max_model_len: int = 0,
+) -> tuple[Any, Any]:
     """vLLM specs of the packed store and of (every) window store: one page size, ``plan.page_elements``
-    (or ``page_bytes``, at least that, where the model's sliding-window layers share the pool)."""
+    (or ``page_bytes``, at least that, where the model's sliding-window layers share the pool). ``max_model_len``:
+    the engine's, for the window stores' start-up check of the pool (0: none)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from .kv_specs import LeanKWindowSpec
@@ -186,6 +193,7 @@ def kv_specs(plan: WorkerPlan, dtype: torch.dtype, quant_mode: Any = None, page_
     packed = FullAttentionSpec(state_content_bytes=plan.packed_row * item, **common)
     window = LeanKWindowSpec(
         state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink,
-        dense_prompt=plan.dense_prompt, **common,
+        dense_prompt=plan.dense_prompt, window_stores=len(plan.window_layers) if max_model_len else 0,
+        max_model_len=max_model_len, **common,
     )  # fmt: skip
     return packed, window

@@ -116,3 +116,39 @@ def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str 
     except MaskError as e:
         raise MaskError(f"LeanK mask {settings.mask!r}: {e}") from None
     return mask
+
+
+def check_length(mask: ChannelMask, max_model_len: int, name: str) -> None:
+    """Refuse a mask that prunes no token of any request the engine serves (one MaskError naming its sizes).
+
+    A token leaves the full-channel rows only once a later query's recent window starts past the sink
+    (:meth:`~leank_infer.mask.ChannelMask.full_token_count`); when even the last query of a request of
+    ``max_model_len`` tokens keeps every key whole, LeanK saves nothing and its pages hold more than plain vLLM's
+    (a sink of 2**31 - 1 tokens would also ask the pool for that many tokens' blocks)."""
+    if mask.full_token_count(max_model_len)[1]:
+        return
+    sink, recent, accumu = mask.sink_size, mask.recent_size, mask.accumu_size
+    first = recent + (sink // accumu + 1) * accumu  # the shortest request with a pruned token
+    raise MaskError(
+        f"LeanK mask {name!r}: its sink_size {sink}, recent_size {recent} and accumu_size {accumu} keep every channel "
+        f"of every token of a request up to max_model_len {max_model_len} (LeanK prunes a token only in requests of "
+        f"at least {first} tokens), so it would prune nothing and hold more KV than plain vLLM; serve without the "
+        f"mask, or with a max_model_len of at least {first}"
+    )
+
+
+def check_vllm_config(vllm_config: Any) -> None:
+    """The LeanK settings of an engine and their mask, checked where vLLM builds the engine's config.
+
+    Runs in the caller's process, on the config ``EngineArgs.create_engine_config`` returns
+    (:func:`leank_infer.vllm.check_settings_with_the_config`), so a bad setting or a mask that does not fit stops
+    ``LLM(...)`` or ``vllm serve`` with leank's one line, not with vLLM's "Engine core initialization failed" from its
+    engine subprocess. The workers check the settings and the fit again when they build their layers."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:  # a config with no model (vLLM builds some): nothing is served with it
+        return
+    settings = settings_from(getattr(vllm_config, "additional_config", None))
+    if settings is None:
+        return
+    mask = load_checked_mask(settings, model_config.hf_config, model_config.model)
+    check_length(mask, model_config.max_model_len, settings.mask)

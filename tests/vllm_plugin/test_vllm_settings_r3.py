@@ -14,20 +14,19 @@ from .conftest import ENGINE, MASK
     ({"leank_rule": "positional"}, "sets ['leank_rule'] but no 'leank_mask'"),
 ])
 def test_vllm_config_carries_the_settings_to_one_clear_error(model_dir, monkeypatch, config, message):
-    """vLLM's own config (EngineArgs -> VllmConfig.additional_config) reaches the settings unchanged: each bad
-    setting is leank's error, and $LEANK_MASK does not stand in for an explicit empty one."""
+    """vLLM's own config (EngineArgs -> VllmConfig.additional_config) reaches the settings unchanged, checked as
+    vLLM builds it (in the caller's process): each bad setting is leank's error, and $LEANK_MASK does not stand in
+    for an explicit empty one."""
     from vllm.engine.arg_utils import EngineArgs
 
     from leank_infer import MaskError
-    from leank_infer.vllm.settings import settings_from
 
     if "leank_rule" in config:
         monkeypatch.delenv("LEANK_MASK", raising=False)
     else:
         monkeypatch.setenv("LEANK_MASK", MASK)
-    vllm_config = EngineArgs(model=str(model_dir), additional_config=config, **ENGINE).create_engine_config()
     with pytest.raises(MaskError) as err:
-        settings_from(vllm_config.additional_config)
+        EngineArgs(model=str(model_dir), additional_config=config, **ENGINE).create_engine_config()
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
