@@ -327,7 +327,7 @@ VLLM_SPEED = [(1, 2048), (1, 8192), (16, 2048), (16, 8192), (64, 2048), (64, 819
 class LeanKPages:
     """One worker's LeanK pages as vLLM lays them out, random values: one pool of equal pages for every
     store, the packed store and the window store on distinct blocks, window blocks only where the rule
-    reads full rows (the sink, and the window of each length in ``window_for``, default each request's)."""
+    reads every channel (the sink, and the window of each length in ``window_for``, default each request's)."""
 
     def __init__(self, mask, layer: int, lengths: list[int], q_heads: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = 16, fp8: torch.dtype | None = None,
@@ -373,18 +373,16 @@ class LeanKPages:
 
     def reference(self) -> torch.Tensor:
         """The PyTorch reference (leank_infer.vllm.paged_reference) of every request, fp32 attention."""
-        from leank_infer.vllm.paged_reference import reference_attention, request_kv, to_compute
+        from leank_infer.vllm.paged_reference import full_rows, reference_attention, request_kv
 
-        plan, slot, bs = self.plan, self.slot, self.plan.block_size
-        hd = plan.num_kv_heads * plan.head_dim
+        plan, slot = self.plan, self.slot
         out = []
         for b, n in enumerate(self.seq_lens.tolist()):
-            p = n - 1  # its K/V: the full row in the window pages
-            row = self.window[int(self.window_table[b, p // bs]), p % bs, slot.window_offset :]
-            new = [to_compute(row[i * hd : (i + 1) * hd], self.dtype, s, self.fp8).view(1, plan.num_kv_heads, -1)
-                   for i, s in ((0, self.k_scale), (1, self.v_scale))]  # fmt: skip
-            k, v = request_kv(plan, slot, self.packed, self.packed_table[b], self.window, self.window_table[b], n,
-                              p, *new, self.dtype, self.k_scale, self.v_scale, self.fp8)  # fmt: skip
+            p = n - 1  # its K/V: the packed row and the rest row in the window pages
+            pages = (self.packed, self.packed_table[b], self.window, self.window_table[b])
+            scales = (self.k_scale, self.v_scale, self.fp8)
+            new = full_rows(plan, slot, *pages, torch.tensor([p], device=self.q.device), self.dtype, *scales)
+            k, v = request_kv(plan, slot, *pages, n, p, *new, self.dtype, *scales)
             out.append(reference_attention(plan, slot, self.q[b : b + 1], k, v, p, plan.head_dim**-0.5)[0])
         return torch.stack(out)
 
@@ -501,9 +499,9 @@ def part_vllm_speed(small: bool, device: torch.device) -> list[dict[str, str]]:
                        recent_size=mask.recent_size, accumu_size=mask.accumu_size)  # fmt: skip
     lengths = [3, 70, 200] if small else [3, 2048, 8192]
     pages = LeanKPages(full, 0, lengths, hq, dtype, device, window_for=[])
-    pages.window_table.copy_(pages.packed_table)  # a full-keep row is [K | V] in both stores: same pages
+    pages.window_table.copy_(pages.packed_table)  # a full-keep row is [K | V] in the packed store; no rest row
     bs = pages.plan.block_size
-    kv = pages.window.reshape(-1, bs, 2, hkv, d).permute(0, 3, 1, 2, 4).reshape(-1, hkv, bs, 2 * d)
+    kv = pages.packed.reshape(-1, bs, 2, hkv, d).permute(0, 3, 1, 2, 4).reshape(-1, hkv, bs, 2 * d)
     dense = vb.VllmDecode(len(lengths), hq, hkv, d, device)
     want = dense(pages.q, kv, pages.packed_table, pages.seq_lens, max(lengths), scale, torch.empty_like(pages.q))
     err = (triton_paged.decode(*pages.args()).float() - want.float()).abs().max().item()

@@ -93,7 +93,7 @@ def measure(mask, plan, ctx: int, batch: int, threads: str, steps: int, g: torch
     from leank_infer.vllm.pool import WorkerPlan
 
     own = []
-    window1 = torch.randn(batch * per_req + 1, 16, 2 * HKV * D, generator=g)  # one layer's full rows
+    window1 = torch.randn(batch * per_req + 1, 16, 2 * HKV * D, generator=g)  # one layer's rest rows (room for any)
     for i in layers:
         p1 = WorkerPlan.build(mask, [i], block_size=16)
         pk = torch.randn(batch * per_req + 1, 16, p1.packed_row, generator=g)

@@ -267,7 +267,7 @@ def test_no_out_of_bounds_read_under_address_sanitizer(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts):
     """cpu_decode.write puts exactly the bytes of paged_reference.write_pages where they go: packed rows (kept K,
-    V of heads keeping any, a layer keeping nothing its one padding 0), full rows only into real window blocks,
+    V of heads keeping any, a layer keeping nothing its one padding 0), rest rows only into real window blocks,
     nothing for padding (-1) or the null block; strided K/V as vLLM's qkv split gives them, a layer at a non-zero
     offset of token-major rows; every other byte (NaN) untouched. kernels.write takes it for these pages."""
     from leank_infer.vllm.paged_reference import write_pages
@@ -295,7 +295,8 @@ def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts):
     cpu_decode.write(got_p, packed_slots, got_w, window_slots, k, v, slot)
     raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
     assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))
-    assert not torch.equal(raw(want_w), raw(window))
+    # rest rows (the channels the packed row lacks) only: a layer keeping every channel has none to write
+    assert torch.equal(raw(want_w), raw(window)) == (slot.layout.rest_width == 0)
     got_p, got_w = packed.clone(), window.clone()
     kernels.write(got_p, packed_slots.int(), got_w, window_slots.int(), k, v, slot)  # int32 slots too
     assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))

@@ -25,14 +25,34 @@ def test_packed_rows_hold_every_layer_side_by_side():
     widths = [packed_width(mask.keep[layer]) for layer in range(4)]
     assert [plan.slots[i].packed_offset for i in range(4)] == [sum(widths[:i]) for i in range(4)]
     assert plan.packed_row == sum(widths)
-    # window stores: as many full rows as fit in a packed row, every layer in exactly one
+    # window stores: each layer's rest row (what its packed row lacks of K and V), side by side, layers in order,
+    # a new store where the next one would not fit in a packed row; every layer in exactly one
     full = 2 * 3 * 64
-    assert plan.window_row == max(1, plan.packed_row // full) * full <= max(plan.packed_row, full)
-    assert sorted(i for store in plan.window_layers for i in store) == [0, 1, 2, 3]
-    for i in range(4):
-        s = plan.slots[i]
-        assert s.window_offset == plan.window_layers[s.window_store].index(i) * full
+    rest = [full - w for w in widths]
+    assert [plan.slots[i].window_width for i in range(4)] == rest
+    assert [i for store in plan.window_layers for i in store] == [0, 1, 2, 3]
+    for store in plan.window_layers:
+        assert sum(rest[i] for i in store) <= plan.window_row <= max(plan.packed_row, max(rest))
+        assert [plan.slots[i].window_offset for i in store] == [sum(rest[j] for j in store[:k]) for k in range(len(store))]
+    for a, b in zip(plan.window_layers, plan.window_layers[1:], strict=False):
+        assert sum(rest[i] for i in a) + rest[b[0]] > max(plan.packed_row, max(rest))  # b's first did not fit in a
     assert plan.page_elements == plan.block_size * max(plan.packed_row, plan.window_row)
+
+
+def test_packed_and_rest_rows_are_the_full_rows_each_element_once():
+    from leank_infer.vllm.layout import PackedLayout
+
+    keep = torch.zeros(3, 8, dtype=torch.bool)
+    keep[0, [1, 4, 6]] = True
+    keep[2] = True
+    layout = PackedLayout.from_keep(keep)
+    k, v = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    rows, rest = layout.pack(k, v), layout.pack_rest(k, v)
+    assert rows.shape[1] + rest.shape[1] == 2 * 3 * 8 == layout.width + layout.rest_width
+    full = torch.cat([rows, rest], 1).index_select(1, layout.full_columns)
+    assert torch.equal(full, torch.cat([k.reshape(5, -1), v.reshape(5, -1)], 1))
+    assert set(layout.k_index.tolist()).isdisjoint(layout.kr_index.tolist())
+    assert layout.vr_index.tolist() == list(range(8, 16))  # the V of head 1, the one keeping nothing
 
 
 def test_every_tensor_parallel_rank_keeps_its_heads_and_has_the_same_pages():
@@ -48,6 +68,11 @@ def test_every_tensor_parallel_rank_keeps_its_heads_and_has_the_same_pages():
     rows = [sum(max(1, packed_width(mask.keep[layer][r : r + 1])) for layer in range(6)) for r in range(3)]
     assert {p.packed_row for p in plans} == {max(rows)}
     assert len({(p.window_row, p.window_layers, p.page_elements) for p in plans}) == 1
+    # every rank's rest row fits its layer's share of the store, which is the widest rank's rest row
+    for layer in range(6):
+        widths = {p.slots[layer].window_width for p in plans}
+        assert widths == {2 * 64 - min(packed_width(mask.keep[layer][r : r + 1]) for r in range(3))}
+        assert all(p.slots[layer].layout.rest_width <= p.slots[layer].window_width for p in plans)
 
 
 def test_pipeline_stages_share_one_page_size():

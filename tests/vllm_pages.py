@@ -2,7 +2,7 @@
 
 :func:`random_pages` builds one worker's plan for a random mask, the packed and window pages of one
 layer with block tables for a batch of requests, and writes each request's K/V where the engine
-would: a packed row for every position, a full row for the sink and the window of its next query.
+would: a packed row for every position, a rest row for the sink and the window of its next query.
 Every other slot (other layers' columns, unused blocks, the gap between sink and window) holds NaN,
 so a kernel that reads what the rule does not allow returns NaN instead of passing by luck.
 """
@@ -65,7 +65,7 @@ def random_pages(
 ) -> Pages:
     """Pages holding ``len(lengths)`` requests whose next query is at position ``length - 1`` (already written).
 
-    ``whole_window``: every token's full row in the window pages (a prompt being computed under the
+    ``whole_window``: every token's rest row in the window pages (a prompt being computed under the
     dense-prompt rule), not only the sink's and the last window's."""
     g = torch.Generator().manual_seed(seed)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
@@ -117,14 +117,14 @@ def random_pages(
             blk, off = int(packed_table[b, p // block_size]), p % block_size
             cols = slice(slot.packed_offset, slot.packed_offset + row.numel())
             wblk = int(window_table[b, p // block_size])
-            full = torch.cat([k[p].reshape(-1), v[p].reshape(-1)]).float()
+            rest = layout.pack_rest(k[p : p + 1].float(), v[p : p + 1].float())[0]
             if fp8 is not None:
-                nk = layout.k_index.numel()
+                nk, nkr = layout.k_index.numel(), layout.kr_index.numel()
                 row = torch.cat([row[:nk] / k_scale, row[nk:] / v_scale]).to(FP8[fp8]).view(torch.uint8)
-                full = torch.cat([full[: h * d] / k_scale, full[h * d :] / v_scale]).to(FP8[fp8]).view(torch.uint8)
+                rest = torch.cat([rest[:nkr] / k_scale, rest[nkr:] / v_scale]).to(FP8[fp8]).view(torch.uint8)
             packed[blk, off, cols] = row.to(packed.dtype)
             if wblk:
-                window[wblk, off, slot.window_offset : slot.window_offset + 2 * h * d] = full.to(window.dtype)
+                window[wblk, off, slot.window_offset : slot.window_offset + rest.numel()] = rest.to(window.dtype)
     q = torch.randn(len(lengths), hq, d, generator=g).to(dtype)
     if store is torch.uint8:
         q = q.float()

@@ -8,7 +8,7 @@ sliding-window layer, which the transformers path leaves whole too, stays vLLM's
 KV cache spec, its pages sized to LeanK's: :func:`plan_worker`):
 
 - its K/V live in the worker's LeanK pages (:mod:`~leank_infer.vllm.pool`): packed rows for every
-  token, full rows for the sink and the window. The layer shares the packed store's cache and block
+  token, and for the sink and the window the channels a packed row lacks (rest rows). The layer shares the packed store's cache and block
   table (vLLM's cross-layer KV sharing) and reads its window store's metadata from the forward
   context. vLLM sizes, counts ("KV cache size: N tokens"), frees, caches and preempts all of it;
 - a prompt query attends to the prompt with every channel, and every generated query follows the positional
@@ -38,26 +38,11 @@ from ..mask import ChannelMask, MaskError, dense_layers_of
 from . import kernels
 from .paged_reference import request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
-from .settings import load_checked_mask, settings_from
+from .settings import check_engine, load_checked_mask, settings_from
 from .stores import PackedBackend, Store, WindowBackend
 
 _NO_WINDOW = (-1, None, (-1, -1))  # how vLLM's CPU and Triton implementations spell "no sliding window"
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def check_engine(vllm_config: Any) -> None:
-    """Refuse engine settings the LeanK backend does not implement (one error naming each)."""
-    problems = []
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and getattr(spec, "num_speculative_tokens", None):
-        problems.append("speculative decoding")
-    dtype = vllm_config.cache_config.cache_dtype
-    if dtype not in ("auto", None, *_FP8):
-        problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8)")
-    if vllm_config.parallel_config.decode_context_parallel_size > 1:
-        problems.append("decode context parallelism")
-    if problems:
-        raise MaskError("LeanK serving does not support " + "; ".join(problems))
 
 
 class LeanKAttentionMixin:
@@ -137,7 +122,13 @@ class LeanKAttentionMixin:
         slot, scales = self.view_slot, (layer._k_scale_float, layer._v_scale_float, self.fp8)
         kernels.write(packed, md.slot_mapping, window, window_md.slot_mapping, k, v, slot, *scales)
         nd = md.num_decodes
-        if nd:
+        if md.multi is not None:  # the decodes and a few generated queries of other requests, one row each
+            tokens, rows, keys = md.multi
+            out[tokens] = kernels.decode(
+                q[tokens], packed, md.block_table[rows], window, window_md.block_table[rows], keys,
+                self.plan, slot, self.scale, *scales,
+            )  # fmt: skip
+        elif nd:
             out[:nd] = kernels.decode(
                 q[:nd], packed, md.block_table[:nd], window, window_md.block_table[:nd], md.seq_lens[:nd],
                 self.plan, slot, self.scale, *scales,

@@ -36,6 +36,10 @@ struct Args {  // mirrored by _Args in cpu_decode.py: keep the order
     const float *lut;  // [256] fp8 byte -> float
     int64_t threads;
     int64_t split;  // middle keys per piece (a multiple of TILE)
+    // the rest rows of the window pages (what a packed row lacks: dropped K channels, V of heads keeping none)
+    const int64_t *rk_off;  // [Hkv + 1]: head h's dropped K columns are [rk_off[h], rk_off[h + 1]) of the rest row
+    const int64_t *rk_ch;   // [nkr]: their channels
+    const int64_t *rv_col;  // [Hkv]: first column of head h's V in the rest row, -1: its V is in the packed row
 };
 
 static inline v8 bits_f(v8u u) { return (v8)u; }
@@ -216,38 +220,61 @@ static void v_any(int gb, const float *p, const typename L::T *const *vr, int64_
 }
 
 struct Scratch {  // one thread's buffers, for all Hq query heads of a request
-    float *s, *qf, *qk, *acc, *m, *l;
-    const void **rows, **kr, **vr;
+    float *s, *s2, *qf, *qk, *qr, *acc, *m, *l;
+    const void **rows, **rows2, **kr, **vr;
 };
 
-// Keys [a, e) of one request's pages (token pos's row at base + table[pos / bs] * block_stride + (pos % bs) *
-// row) for the KV heads h in heads[0..nh): scores of its G query heads over n[h] channels at column kcol[h]
-// (queries q + h * G * D, rows D apart), values of D channels at column vcol[h], folded tile by tile into the
-// online softmax of those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one
-// after the other: a token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
+struct Pages {  // one kind of page of the layer: token pos's row at base + table[pos / bs] * block_stride + (pos % bs) * row
+    const void *base;
+    int64_t block_stride, row;
+    const int32_t *table;
+};
+
+struct Cols {  // what a head reads of a row: n[h] K channels at column k[h] scored with the query q (rows D apart)
+    const int64_t *k, *n;
+    const float *q;
+};
+
+// Keys [a, e) of one request for the KV heads h in heads[0..nh): scores of its G query heads over the K
+// channels c1 of its row in pages p1, plus (when p2) those c2 of its row in p2, values of D channels at column
+// vcol[h] of the row in p1 (vsrc[h] < 0 or no p2) or in p2, folded tile by tile into the online softmax of
+// those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one after the other: a
+// token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
 template <class L>
-static void keys(const Args &A, const typename L::T *base, int64_t block_stride, int64_t row, const int32_t *table,
-                 const int64_t *heads, int64_t nh, const int64_t *kcol, const int64_t *vcol, const int64_t *n,
-                 const float *q, int64_t a, int64_t e, Scratch &S) {
+static void keys(const Args &A, const Pages &p1, const Pages *p2, const int64_t *heads, int64_t nh, const Cols &c1,
+                 const Cols &c2, const int64_t *vcol, const int64_t *vsrc, int64_t a, int64_t e, Scratch &S) {
     typedef typename L::T T;
     const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
-    const T **rows = (const T **)S.rows, **kr = (const T **)S.kr, **vr = (const T **)S.vr;
+    const T **rows = (const T **)S.rows, **rows2 = (const T **)S.rows2, **kr = (const T **)S.kr;
+    const T **vr = (const T **)S.vr;
     for (int64_t t0 = a; t0 < e; t0 += TILE) {
         const int64_t nt = e - t0 < TILE ? e - t0 : TILE;  // the tile clamp
         for (int64_t t = 0; t < nt; t++) {
             const int64_t pos = t0 + t;
-            rows[t] = base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row;
+            rows[t] = (const T *)p1.base + (int64_t)p1.table[pos / bs] * p1.block_stride + (pos % bs) * p1.row;
+            if (p2) rows2[t] = (const T *)p2->base + (int64_t)p2->table[pos / bs] * p2->block_stride + (pos % bs) * p2->row;
         }
         for (int64_t i = 0; i < nh; i++) {
             const int64_t h = heads[i];
+            const bool v2 = p2 && vsrc[h] >= 0;
             for (int64_t t = 0; t < nt; t++) {
-                kr[t] = rows[t] + kcol[h];
-                vr[t] = rows[t] + vcol[h];
+                kr[t] = rows[t] + c1.k[h];
+                vr[t] = (v2 ? rows2[t] : rows[t]) + vcol[h];
             }
             float *s = S.s + h * G * TILE, *m = S.m + h * G, *l = S.l + h * G, *acc = S.acc + h * G * D;
             for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
                 const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-                dot_any<L>(gb, q + (h * G + g0) * D, D, kr, nt, n[h], A.lut, s + g0 * TILE);
+                dot_any<L>(gb, c1.q + (h * G + g0) * D, D, kr, nt, c1.n[h], A.lut, s + g0 * TILE);
+            }
+            if (p2 && c2.n[h] > 0) {  // the rest of the channels, from the second row
+                for (int64_t t = 0; t < nt; t++) kr[t] = rows2[t] + c2.k[h];
+                float *s2 = S.s2 + h * G * TILE;
+                for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+                    const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+                    dot_any<L>(gb, c2.q + (h * G + g0) * D, D, kr, nt, c2.n[h], A.lut, s2 + g0 * TILE);
+                }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t t = 0; t < nt; t++) s[g * TILE + t] += s2[g * TILE + t];
             }
             for (int64_t g = 0; g < G; g++) {
                 float *sg = s + g * TILE;
@@ -293,9 +320,10 @@ static inline float q_at(const Args &A, int64_t i) {
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
-    int64_t *all, *mid, n_mid;           // every KV head; those keeping any channel
-    int64_t *full_k, *full_v, *full_n;   // [Hkv] columns of head h's K and V in a window row, D channels
-    int64_t *mid_k, *mid_n;              // [Hkv] first kept K column of head h in a packed row, how many
+    int64_t *all, *mid, n_mid;  // every KV head; those keeping any channel
+    int64_t *mid_k, *mid_n;     // [Hkv] first kept K column of head h in a packed row, how many
+    int64_t *rest_k, *rest_n;   // [Hkv] first dropped K column of head h in a rest row, how many
+    int64_t *full_v;            // [Hkv] head h's V column: in the packed row (v_col), else in the rest row (rv_col)
 };
 
 template <class L>
@@ -309,25 +337,25 @@ static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, 
         for (int64_t d = 0; d < D; d++) S.qf[qh * D + d] = (float)(q_at(A, (b * Hq + qh) * D + d) * qscale);
         const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
         for (int64_t c = 0; c < nk; c++) S.qk[qh * D + c] = S.qf[qh * D + A.k_ch[c0 + c]];
+        const int64_t r0 = A.rk_off[h], nr = A.rk_off[h + 1] - r0;
+        for (int64_t c = 0; c < nr; c++) S.qr[qh * D + c] = S.qf[qh * D + A.rk_ch[r0 + c]];
         S.m[qh] = -INFINITY;
         S.l[qh] = 0.f;
     }
     memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
-    if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, window pages
-        const T *w = (const T *)A.window + A.window_offset;
-        const int32_t *wt = A.window_table + b * A.window_table_stride;
+    const Pages packed = {(const T *)A.packed + A.packed_offset, A.packed_block_stride, A.packed_row,
+                          A.packed_table + b * A.packed_table_stride};
+    const Cols kept = {H.mid_k, H.mid_n, S.qk};
+    if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, packed + rest row
+        const Pages rest = {(const T *)A.window + A.window_offset, A.window_block_stride, A.window_row,
+                            A.window_table + b * A.window_table_stride};
+        const Cols dropped = {H.rest_k, H.rest_n, S.qr};
         const int64_t sink_end = A.sink < p + 1 ? A.sink : p + 1;
-        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf, 0,
-                sink_end, S);
-        keys<L>(A, w, A.window_block_stride, A.window_row, wt, H.all, A.Hkv, H.full_k, H.full_v, H.full_n, S.qf,
-                it.full_from, p + 1, S);
+        keys<L>(A, packed, &rest, H.all, A.Hkv, kept, dropped, H.full_v, A.rv_col, 0, sink_end, S);
+        keys<L>(A, packed, &rest, H.all, A.Hkv, kept, dropped, H.full_v, A.rv_col, it.full_from, p + 1, S);
     }
-    if (it.mid_e > it.mid_a) {  // middle: each head's kept channels, packed pages
-        const T *pk = (const T *)A.packed + A.packed_offset;
-        const int32_t *pt = A.packed_table + b * A.packed_table_stride;
-        keys<L>(A, pk, A.packed_block_stride, A.packed_row, pt, H.mid, H.n_mid, H.mid_k, A.v_col, H.mid_n, S.qk,
-                it.mid_a, it.mid_e, S);
-    }
+    if (it.mid_e > it.mid_a)  // middle: each head's kept channels, packed pages
+        keys<L>(A, packed, NULL, H.mid, H.n_mid, kept, kept, A.v_col, NULL, it.mid_a, it.mid_e, S);
     if (it.part < 0) {
         for (int64_t qh = 0; qh < Hq; qh++) {
             const float inv = (float)(A.v_scale / S.l[qh]);
@@ -382,12 +410,13 @@ static int run(const Args &A) {
     // first full recent key
     int64_t *first = buf64, *splits = first + B, *left = splits + B, *mids = left + B, *full_from = mids + B;
     Heads H;
-    H.all = full_from + B, H.mid = H.all + Hkv, H.full_k = H.mid + Hkv, H.full_v = H.full_k + Hkv;
-    H.full_n = H.full_v + Hkv, H.mid_k = H.full_n + Hkv, H.mid_n = H.mid_k + Hkv;
+    H.all = full_from + B, H.mid = H.all + Hkv, H.rest_k = H.mid + Hkv, H.full_v = H.rest_k + Hkv;
+    H.rest_n = H.full_v + Hkv, H.mid_k = H.rest_n + Hkv, H.mid_n = H.mid_k + Hkv;
     H.n_mid = 0;
     int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
     for (int64_t h = 0; h < Hkv; h++) {
-        H.all[h] = h, H.full_k[h] = h * D, H.full_v[h] = (Hkv + h) * D, H.full_n[h] = D;
+        H.all[h] = h, H.rest_k[h] = A.rk_off[h], H.rest_n[h] = A.rk_off[h + 1] - A.rk_off[h];
+        H.full_v[h] = A.v_col[h] >= 0 ? A.v_col[h] : A.rv_col[h];
         H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
         if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
     }
@@ -433,15 +462,16 @@ static int run(const Args &A) {
 #pragma omp parallel num_threads(threads)
     {
         Scratch S;
-        const size_t nf = (size_t)(Hq * TILE + 3 * Hq * D + 2 * Hq);
+        const size_t nf = (size_t)(2 * Hq * TILE + 4 * Hq * D + 2 * Hq);
         float *buf = (float *)malloc(sizeof(float) * nf);
-        const void **ptrs = (const void **)malloc(sizeof(void *) * 3 * TILE);
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 4 * TILE);
         if (!buf || !ptrs) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            S.s = buf, S.qf = S.s + Hq * TILE, S.qk = S.qf + Hq * D, S.acc = S.qk + Hq * D, S.m = S.acc + Hq * D;
-            S.l = S.m + Hq, S.rows = ptrs, S.kr = ptrs + TILE, S.vr = ptrs + 2 * TILE;
+            S.s = buf, S.s2 = S.s + Hq * TILE, S.qf = S.s2 + Hq * TILE, S.qk = S.qf + Hq * D, S.qr = S.qk + Hq * D;
+            S.acc = S.qr + Hq * D, S.m = S.acc + Hq * D, S.l = S.m + Hq;
+            S.rows = ptrs, S.rows2 = ptrs + TILE, S.kr = ptrs + 2 * TILE, S.vr = ptrs + 3 * TILE;
         }
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < n_items; j++) {
@@ -475,7 +505,8 @@ extern "C" int leank_cpu_decode_tile(void) { return TILE; }
 
 // The step's K/V into the pages (what paged_reference.write_pages does in PyTorch, without its dozen small tensor
 // ops per layer): token i's packed row (kept K channels k_index, then V columns v_index, zero padding up to width)
-// at packed slot ps[i] >= 0, its full row (K then V, every channel) at window slot ws[i] >= block_size (-1 pads,
+// at packed slot ps[i] >= 0, its rest row (dropped K channels kr_index, then V columns vr_index) at window slot
+// ws[i] >= block_size (-1 pads,
 // [0, block_size) is the null block). K/V rows [Hkv * D] contiguous, tokens k_stride / v_stride elements apart;
 // pages of the model's dtype (elem bytes); a slot's row at base + (slot / bs) * block_stride + (slot % bs) * row.
 struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
@@ -487,12 +518,14 @@ struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
     const int64_t *packed_slots, *window_slots;
     const int64_t *k_index, *v_index;
     int64_t nk, nv, width;
+    const int64_t *kr_index, *vr_index;
+    int64_t nkr, nvr;
 };
 
 template <class T>
 static void write_rows(const WArgs &A) {
     const T *k = (const T *)A.k, *v = (const T *)A.v;
-    const int64_t bs = A.block_size, HD = A.HD;
+    const int64_t bs = A.block_size;
     for (int64_t i = 0; i < A.n; i++) {
         const T *ki = k + i * A.k_stride, *vi = v + i * A.v_stride;
         const int64_t p = A.packed_slots[i];
@@ -505,14 +538,14 @@ static void write_rows(const WArgs &A) {
         const int64_t w = A.window_slots[i];
         if (w >= bs) {
             T *row = (T *)A.window + (w / bs) * A.window_block_stride + (w % bs) * A.window_row;
-            memcpy(row, ki, sizeof(T) * (size_t)HD);
-            memcpy(row + HD, vi, sizeof(T) * (size_t)HD);
+            for (int64_t j = 0; j < A.nkr; j++) row[j] = ki[A.kr_index[j]];
+            for (int64_t j = 0; j < A.nvr; j++) row[A.nkr + j] = vi[A.vr_index[j]];
         }
     }
 }
 
 extern "C" int leank_cpu_write(const WArgs *A) {
-    if (A->block_size <= 0 || A->nk + A->nv > A->width) return 2;
+    if (A->block_size <= 0 || A->nk + A->nv > A->width || A->nkr + A->nvr > A->window_row) return 2;
     switch (A->elem) {
         case 4: write_rows<uint32_t>(*A); return 0;
         case 2: write_rows<uint16_t>(*A); return 0;

@@ -1,7 +1,8 @@
 """The CPU kernel of the batched LeanK decode: every decode request of a step, one call per layer, in place.
 
 One call reads each request's keys where the engine wrote them (:mod:`~leank_infer.vllm.pool`): the sink and
-the recent window with every channel from the window pages, the middle with each KV head's kept channels from
+the recent window with every channel (the kept ones from the packed rows, the others from the window pages'
+rest rows: two partial dot products per key), the middle with each KV head's kept channels from
 the packed rows, both through the block tables, with no gather. The work is cut into pieces: per request one
 with its full-channel keys and the first ``SPLIT`` middle keys, then one per further ``SPLIT`` middle keys (so a
 batch of one long request still keeps every thread busy); every piece covers all the KV heads of its keys, so
@@ -82,6 +83,9 @@ class _Args(ctypes.Structure):
         ("lut", ctypes.c_void_p),
         ("threads", ctypes.c_int64),
         ("split", ctypes.c_int64),
+        ("rk_off", ctypes.c_void_p),
+        ("rk_ch", ctypes.c_void_p),
+        ("rv_col", ctypes.c_void_p),
     ]
 
 
@@ -105,6 +109,9 @@ class _WArgs(ctypes.Structure):
         ("k_index", ctypes.c_void_p),
         ("v_index", ctypes.c_void_p),
         *[(n, ctypes.c_int64) for n in ("nk", "nv", "width")],
+        ("kr_index", ctypes.c_void_p),
+        ("vr_index", ctypes.c_void_p),
+        *[(n, ctypes.c_int64) for n in ("nkr", "nvr")],
     ]
 
 
@@ -178,7 +185,7 @@ def write(
     slot: LayerSlot,
 ) -> None:
     """:func:`leank_infer.vllm.paged_reference.write_pages` in one call (no fp8: see :func:`supports_write`):
-    the step's K/V ``[n, Hkv, D]`` into this layer's packed rows and, where the window block is real, full rows."""
+    the step's K/V ``[n, Hkv, D]`` into this layer's packed rows and, where the window block is real, rest rows."""
     if not available():
         raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
     const, _ = _write_layout(slot)
@@ -209,12 +216,16 @@ def _write_layout(slot: LayerSlot) -> tuple[_WArgs, tuple[torch.Tensor, ...]]:
     hit = _write_cache.get(id(slot))
     if hit is not None and hit[0] is slot:
         return hit[1], hit[2]
-    k_index = slot.layout.k_index.to("cpu", torch.int64).contiguous()
-    v_index = slot.layout.v_index.to("cpu", torch.int64).contiguous()
-    keep = (k_index, v_index)
+    k_index, v_index, kr_index, vr_index = (
+        x.to("cpu", torch.int64).contiguous()
+        for x in (slot.layout.k_index, slot.layout.v_index, slot.layout.kr_index, slot.layout.vr_index)
+    )
+    keep = (k_index, v_index, kr_index, vr_index)
     a = _WArgs()
     a.k_index, a.v_index = k_index.data_ptr(), v_index.data_ptr()
     a.nk, a.nv = k_index.numel(), v_index.numel()
+    a.kr_index, a.vr_index = kr_index.data_ptr(), vr_index.data_ptr()
+    a.nkr, a.nvr = kr_index.numel(), vr_index.numel()
     _write_cache[id(slot)] = (slot, a, keep)
     return a, keep
 
@@ -243,13 +254,21 @@ def _layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor
     v_col = torch.full((hkv,), -1, dtype=torch.long)
     for i, h in enumerate(layout.v_heads):
         v_col[h] = layout.k_index.numel() + i * d
+    # the rest row: dropped K channels per head, then the V of each head keeping none
+    kr = layout.kr_index.cpu()
+    rk_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(kr // d, minlength=hkv).cumsum(0)])
+    rk_ch = (kr % d).contiguous() if kr.numel() else torch.zeros(1, dtype=torch.long)
+    rv_col = torch.full((hkv,), -1, dtype=torch.long)
+    for i, h in enumerate(sorted(set(range(hkv)) - set(layout.v_heads))):
+        rv_col[h] = kr.numel() + i * d
     a = _Args()
     a.Hkv, a.D, a.block_size = hkv, d, plan.block_size
     a.packed_offset, a.window_offset = slot.packed_offset, slot.window_offset
     a.k_off, a.k_ch, a.v_col = k_off.data_ptr(), k_ch.data_ptr(), v_col.data_ptr()
+    a.rk_off, a.rk_ch, a.rv_col = rk_off.data_ptr(), rk_ch.data_ptr(), rv_col.data_ptr()
     a.sink, a.recent, a.accumu = plan.sink, plan.recent, plan.accumu
     a.split = SPLIT
-    keep = (k_off, k_ch, v_col)
+    keep = (k_off, k_ch, v_col, rk_off, rk_ch, rv_col)
     _layer_cache[id(slot)] = (slot, a, keep)
     return a, keep
 

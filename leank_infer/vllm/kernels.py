@@ -21,7 +21,7 @@ import torch
 
 from ..decode.positional_prefill import positional_prefill_attention
 from . import cpu_decode, triton_paged
-from .paged_reference import reference_attention, request_kv, write_pages
+from .paged_reference import full_rows, reference_attention, request_kv, write_pages
 from .pool import LayerSlot, WorkerPlan
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,9 @@ def torch_decode(
     out = torch.empty_like(q)
     for i, length in enumerate(seq_lens.tolist()):
         p = length - 1
-        k, v = request_kv(
-            plan, slot, packed, packed_table[i], window, window_table[i], length, p,
-            _row(window, window_table[i], p, slot, plan, 0, k_scale, fp8, q.dtype),
-            _row(window, window_table[i], p, slot, plan, 1, v_scale, fp8, q.dtype),
-            q.dtype, k_scale, v_scale, fp8,
-        )  # fmt: skip
+        tables = (packed, packed_table[i], window, window_table[i])
+        own = full_rows(plan, slot, *tables, torch.tensor([p], device=packed.device), q.dtype, k_scale, v_scale, fp8)  # a window key
+        k, v = request_kv(plan, slot, *tables, length, p, *own, q.dtype, k_scale, v_scale, fp8)
         out[i] = reference_attention(plan, slot, q[i : i + 1], k, v, p, scale)[0]
     return out
 
@@ -174,13 +171,3 @@ def prepare(plan: WorkerPlan, device: torch.device) -> None:
     before any CUDA graph capture (a capturing stream cannot copy from the host)."""
     if torch.device(device).type == "cuda":
         triton_paged.prepare(plan, device)
-
-
-def _row(window, table, p, slot, plan, which, scale, fp8, dtype):  # noqa: ANN001, ANN202 - the query's own K or V
-    bs = window.shape[1]
-    hd = plan.num_kv_heads * plan.head_dim
-    row = window[
-        int(table[p // bs]), p % bs, slot.window_offset + which * hd : slot.window_offset + (which + 1) * hd
-    ]
-    x = row.view(fp8).to(dtype) * scale if fp8 is not None else row.to(dtype)
-    return x.view(1, plan.num_kv_heads, plan.head_dim)

@@ -2,7 +2,8 @@
 
 A LeanK layer needs every channel of K and V for two sets of keys only: the first ``sink`` tokens
 of a request, and the window of recent tokens before each query (see :mod:`leank_infer.decode.rule`).
-Everything else lives in the packed pages (:mod:`leank_infer.vllm.pool`). vLLM's sliding-window
+Every token's kept channels live in the packed pages (:mod:`leank_infer.vllm.pool`); these blocks hold
+the rest of those tokens' channels (rest rows). vLLM's sliding-window
 spec almost describes this window, but drops the sink; :class:`LeanKWindowSpec` is a sliding
 window that keeps its first ``sink_len`` tokens, managed by :class:`LeanKWindowManager`, a
 :class:`~vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager` that
@@ -71,11 +72,13 @@ class LeanKWindowSpec(SlidingWindowSpec):
         return sink + 2 * (cdiv(window, self.block_size) + 1)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
-        """Blocks a request may need at once: :meth:`steady_blocks`, plus under ``dense_prompt`` every block of
-        a prompt as long as the model allows (vLLM admits a request only when they are free)."""
+        """The most blocks a request of up to ``max_model_len`` tokens holds at once (vLLM admits a request only
+        when its need, capped at this, is free): :meth:`steady_blocks` while decoding, and under ``dense_prompt``
+        every block of its prompt while that is computed (the window is inside the prompt then, and the gap is
+        freed before the first decode step allocates), whichever is more."""
         del max_in_flight_tokens
         prompt = cdiv(max_model_len, self.block_size) if self.dense_prompt else 0
-        return prompt + self.steady_blocks(max_model_len)
+        return max(prompt, self.steady_blocks(max_model_len))
 
     def request_blocks(self, max_model_len: int) -> tuple[int, int]:
         """(packed, window) blocks one request of ``max_model_len`` tokens holds at once, per store, while its

@@ -5,8 +5,11 @@ dtype: the kept K channels of every KV head (heads in order, channels ascending)
 of each head that keeps at least one channel. That is exactly what the HF cache stores for a
 middle token (``ChannelMask.kv_bytes_per_token()["leank_middle"]``); the page of the layer is
 ``block_size * width * itemsize`` bytes instead of ``block_size * 2 * kv_heads * head_dim * itemsize``.
-Sink and recent tokens need every channel: the backend keeps those few per request beside the
-pages (see :mod:`leank_infer.vllm.backend`).
+Sink and recent tokens (and, under the ``"dense-prompt"`` rule, a prompt while it is computed) need every
+channel. Their packed row already holds the kept ones, so beside it they get a *rest row* only
+(:meth:`PackedLayout.pack_rest`): the K channels the layer drops (heads in order, channels ascending), then
+the whole V of each head that keeps no channel. Packed row and rest row together are the full K and V,
+each element stored once (:attr:`PackedLayout.full_columns`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ class PackedLayout:
         v_heads = torch.nonzero(keep.any(-1)).flatten()
         v_index = (v_heads[:, None] * d + torch.arange(d)).flatten()
         return cls(k_index, v_index, h, d)
+
+    @cached_property
+    def kr_index(self) -> torch.Tensor:
+        """``[nkr]`` long: the dropped (head, channel) pairs of K, the rest row's first columns."""
+        keep = torch.zeros(self.num_kv_heads * self.head_dim, dtype=torch.bool, device=self.k_index.device)
+        keep[self.k_index] = True
+        return torch.nonzero(~keep).flatten()
+
+    @cached_property
+    def vr_index(self) -> torch.Tensor:
+        """``[nvr]`` long: every V channel of the heads keeping none, the rest row's last columns."""
+        stored = torch.zeros(self.num_kv_heads * self.head_dim, dtype=torch.bool, device=self.v_index.device)
+        stored[self.v_index] = True
+        return torch.nonzero(~stored).flatten()
+
+    @property
+    def rest_width(self) -> int:
+        """Elements of a rest row: what a token's packed row lacks of its full K and V (0 for a layer keeping all)."""
+        return self.kr_index.numel() + self.vr_index.numel()
 
     @property
     def width(self) -> int:
@@ -81,6 +103,26 @@ class PackedLayout:
         v.index_copy_(1, self.v_index, rows[:, nk : nk + self.v_index.numel()])
         shape = (n, self.num_kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
+
+    def pack_rest(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``[T, kv_heads, head_dim]`` K and V to ``[T, rest_width]`` rest rows (what :meth:`pack` leaves out)."""
+        t = key.shape[0]
+        return torch.cat(
+            [key.reshape(t, -1).index_select(1, self.kr_index), value.reshape(t, -1).index_select(1, self.vr_index)],
+            dim=1,
+        )
+
+    @cached_property
+    def full_columns(self) -> torch.Tensor:
+        """``[2 * kv_heads * head_dim]`` long: where each element of a token's full K then V row is in its packed row
+        followed by its rest row (``cat([packed_row, rest_row])``): one ``index_select`` puts a full row together."""
+        hd, width, nk, nkr = self.num_kv_heads * self.head_dim, self.width, self.k_index.numel(), self.kr_index.numel()
+        cols = torch.empty(2 * hd, dtype=torch.long, device=self.k_index.device)
+        cols[self.k_index] = torch.arange(nk, device=cols.device)
+        cols[self.kr_index] = width + torch.arange(nkr, device=cols.device)
+        cols[hd + self.v_index] = nk + torch.arange(self.v_index.numel(), device=cols.device)
+        cols[hd + self.vr_index] = width + nkr + torch.arange(self.vr_index.numel(), device=cols.device)
+        return cols
 
     @cached_property
     def v_heads(self) -> list[int]:

@@ -5,9 +5,11 @@
   then the whole V of each head that keeps any channel (:class:`~leank_infer.vllm.layout.PackedLayout`).
   Every token has one; middle keys are read from it.
 - **Window pages** (:class:`~leank_infer.vllm.kv_specs.LeanKWindowSpec`, a few stores): per token the
-  full K and V of a run of layers, kept only for the sink and the recent window (the keys a later
-  query scores with every channel), and under the ``"dense-prompt"`` rule for the whole prompt while it
-  is being computed (its queries score every prompt token with every channel).
+  *rest row* of a run of layers (what the packed row lacks of the full K and V: the dropped K channels and
+  the V of heads keeping none, :meth:`~leank_infer.vllm.layout.PackedLayout.pack_rest`), kept only for the
+  sink and the recent window (the keys a later query scores with every channel), and under the
+  ``"dense-prompt"`` rule for the whole prompt while it is being computed (its queries score every prompt
+  token with every channel). A full row is the packed row plus the rest row: no element is stored twice.
 
 Inside a page (one block of ``block_size`` tokens) each layer's data is one contiguous run, layer after
 layer (``[layer][token][column]``): a layer's decode streams its run of each block, instead of a slice of
@@ -17,8 +19,8 @@ One store's page must be the same size as every other's (vLLM's hybrid allocator
 of blocks between groups: :func:`vllm.v1.core.kv_cache_utils.unify_kv_cache_spec_page_size`), and a
 layer's page size depends on its mask row. So the layers do not get a page each: the packed store
 holds all of them side by side in one row (one group, any mix of kept counts, no padding but the
-tensor-parallel one below), and the window stores hold as many layers' full rows as fit in a packed
-page, padded to it. The model's attention layers share the packed store's cache and block table
+tensor-parallel one below), and the window stores hold as many layers' rest rows as fit in a packed
+page (layers in order, a new store where the next one does not fit), padded to it. The model's attention layers share the packed store's cache and block table
 through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
 columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
 out in its own row; the row is as wide as the widest rank's (all ranks must have the same pages), so
@@ -66,8 +68,9 @@ class LayerSlot:
     layout: PackedLayout  # this rank's kept channels
     packed_offset: int  # the packed columns of the layers before it
     packed_width: int  # its own packed columns
-    window_store: int  # which window store holds the layer's full rows
-    window_offset: int  # the full columns (K then V, ``2 * heads * head_dim``) of the store's layers before it
+    window_store: int  # which window store holds the layer's rest rows
+    window_offset: int  # the rest columns of the store's layers before it
+    window_width: int = 0  # the layer's rest columns in its store (its rest row, padded to the widest rank's)
 
     def packed_view(self, cache: torch.Tensor) -> torch.Tensor:
         """The layer's packed rows ``[num_blocks, block_size, packed_width]`` in the packed store's cache
@@ -75,8 +78,9 @@ class LayerSlot:
         return _run(cache, self.packed_offset, self.packed_width)
 
     def window_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """The layer's full rows ``[num_blocks, block_size, 2 * heads * head_dim]`` in its window store's cache."""
-        return _run(cache, self.window_offset, 2 * self.layout.num_kv_heads * self.layout.head_dim)
+        """The layer's rest rows ``[num_blocks, block_size, window_width]`` in its window store's cache (at least
+        one column: a layer keeping every channel has no rest, and nothing reads its view)."""
+        return _run(cache, self.window_offset, max(1, self.window_width))
 
     def in_view(self) -> LayerSlot:
         """This slot as the kernels see it, over :meth:`packed_view` and :meth:`window_view` (columns from 0)."""
@@ -95,7 +99,7 @@ class WorkerPlan:
 
     slots: dict[int, LayerSlot]
     packed_row: int  # elements of a packed-store row
-    window_row: int  # elements of a window-store row (its real content; the page is padded)
+    window_row: int  # elements of the widest window-store row (its real content; the page is padded)
     window_layers: tuple[tuple[int, ...], ...]  # the layers of each window store
     num_kv_heads: int  # this rank's
     head_dim: int
@@ -138,14 +142,22 @@ class WorkerPlan:
             for stage in (stages or [layers])
             for r in ranks
         )
-        per_store = max(1, offset // full)  # full rows that fit in a packed row
-        stores = tuple(tuple(layers[i : i + per_store]) for i in range(0, len(layers), per_store))
-        for j, store in enumerate(stores):
-            for k, layer in enumerate(store):
-                s = slots[layer]
-                slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, j, k * full)
+        # rest rows, as wide as the widest rank's, so that every rank cuts the same stores
+        rest = {layer: full - min(packed_width(mask.keep[layer][r]) for r in ranks) for layer in layers}
+        capacity = max([offset, *rest.values()])  # a store's row, at most a page
+        stores: list[list[int]] = [[]]
+        used = 0
+        for layer in layers:
+            if stores[-1] and used + rest[layer] > capacity:
+                stores.append([])
+                used = 0
+            s = slots[layer]
+            slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, len(stores) - 1, used, rest[layer])
+            stores[-1].append(layer)
+            used += rest[layer]
+        window_row = max(max(1, sum(rest[layer] for layer in store)) for store in stores)
         return cls(
-            slots, offset, per_store * full, stores, len(mine), head_dim, block_size,
+            slots, offset, window_row, tuple(tuple(store) for store in stores), len(mine), head_dim, block_size,
             mask.sink_size, mask.recent_size, mask.accumu_size, dense_prompt,
         )  # fmt: skip
 

@@ -10,7 +10,7 @@ vLLM's place for settings of out-of-tree code is ``additional_config`` (``vllm s
 - ``leank_mask_revision``: branch, tag or commit of a Hub mask (optional),
 - ``leank_check_base_model``: ``false`` to serve a renamed copy or fine-tune of the mask's base model,
 - ``leank_rule``: ``"dense-prompt"`` (default: the prompt attends with every channel, each generated token by
-  its position; a request holds its prompt's full rows in the pool while the prompt is computed) or
+  its position; a request holds the rest of its prompt's channels in the pool while the prompt is computed) or
   ``"positional"`` (the prompt by its position too: no such rows, lower accuracy on long prompts). Both are
   rules of ``LeanKModel(rule=...)``, so the two paths give the same tokens.
 
@@ -152,3 +152,19 @@ def check_vllm_config(vllm_config: Any) -> None:
         return
     mask = load_checked_mask(settings, model_config.hf_config, model_config.model)
     check_length(mask, model_config.max_model_len, settings.mask)
+    check_engine(vllm_config)
+
+
+KV_DTYPES = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")  # the model's dtype, or fp8 (one byte an element)
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Refuse engine settings the LeanK backend does not implement (one error naming each)."""
+    problems = []
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype not in KV_DTYPES:
+        problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8)")
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        problems.append("decode context parallelism")
+    if problems:
+        raise MaskError("LeanK serving does not support " + "; ".join(problems))

@@ -47,6 +47,11 @@ class LeanKMetadata:
     # request's prompt length under the "dense-prompt" rule (its queries before it attend densely), 0 under the
     # positional rule
     extends: tuple[tuple[int, int, int, int, int], ...]
+    # requests with a few generated queries (speculative decoding's drafts, a short run of generated tokens
+    # recomputed): the batched decode runs them too, one row per query, each over its request's pages up to its
+    # own position (the rule depends on the position only). ``None`` when the step has none; else the rows'
+    # (token index, request row, keys) for every decode row, the one-token decodes first
+    multi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class WindowBuilder(AttentionMetadataBuilder[WindowMetadata]):
@@ -74,6 +79,7 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         settings = settings_from(getattr(vllm_config, "additional_config", None))
         self.dense_prompt = settings is not None and settings.dense_prompt
+        self.max_multi = max_multi_queries(vllm_config)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -93,6 +99,7 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         if prompts is not None and num_decodes:
             prompt_rows = torch.nonzero(lens_cpu[:num_decodes] <= prompts[:num_decodes].to(lens_cpu.device)).flatten().tolist()
         extends: tuple[tuple[int, int, int, int, int], ...] = ()
+        multi = None
         if num_prefills or prompt_rows:  # host values, once per step (not per layer): the chunks' bounds
             starts = cm.query_start_loc_cpu.tolist()
             lens = lens_cpu.tolist()
@@ -103,6 +110,11 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
                 for i in rows
                 if starts[i + 1] > starts[i]
             )
+            # a few generated queries of a request (every query at or past its prompt length): batched decode rows
+            few = [e for e in extends if e[0] >= num_decodes and e[2] - e[1] <= self.max_multi and e[3] >= e[4]]
+            if few:
+                extends = tuple(e for e in extends if e not in few)
+                multi = _multi_rows(num_decodes, few, lens_cpu, cm.seq_lens.device)
         return LeanKMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_decodes=num_decodes,
@@ -110,7 +122,39 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
             extends=extends,
+            multi=multi,
         )
+
+
+MAX_MULTI_QUERIES = 16  # a request with at most this many generated queries in a step runs in the batched decode
+
+
+def max_multi_queries(vllm_config: Any) -> int:
+    """How many generated queries of one request the batched decode takes in a step: at most
+    :data:`MAX_MULTI_QUERIES`, and fewer than the window (``recent + accumu``), so that every key those queries
+    score with every channel is in a real window block (the window manager leaves the start of a longer run of
+    new tokens unallocated: such a run reads its own K/V from the step, in the extend path)."""
+    context = vllm_config.compilation_config.static_forward_context
+    plans = [getattr(getattr(m, "impl", None), "plan", None) for m in context.values()]
+    plan = next((p for p in plans if p is not None), None)
+    return 0 if plan is None else max(0, min(MAX_MULTI_QUERIES, plan.window - 1))
+
+
+def _multi_rows(
+    num_decodes: int, few: list[tuple[int, int, int, int, int]], lens: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, request row, keys) of every decode row: the one-token decodes, then one row per query of ``few``
+    (query ``j`` of a request that had ``cached`` tokens sees ``cached + j + 1`` keys)."""
+    tokens, rows, keys = list(range(num_decodes)), list(range(num_decodes)), lens[:num_decodes].tolist()
+    for row, start, end, cached, _ in few:
+        tokens += range(start, end)
+        rows += [row] * (end - start)
+        keys += range(cached + 1, cached + 1 + end - start)
+    return (
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(keys, dtype=torch.int32, device=device),
+    )
 
 
 class StoreBackend(AttentionBackend):

@@ -7,7 +7,7 @@
 - ``_decode_kernel``, grid ``(B, Hkv, S)``: program ``(b, h, s)`` takes split ``s`` of request ``b``'s
   positions ``[0, seq_len)`` for KV head ``h`` (flash-decoding: ``S`` chunks of ``ceil(seq_len / S)``
   positions rounded up to the key tile). In its chunk it scores the sink and the recent window with
-  every channel from the window pages, and the middle with the head's kept channels (q gathered on
+  every channel (each K element from the packed row or the window pages' rest row), and the middle with the head's kept channels (q gathered on
   them once) and its V from the packed rows; a head keeping no channel skips its middle. The rule is
   computed in the kernel from ``seq_lens`` (a device tensor: nothing is read back to the host). The
   ``G`` query heads of a KV head are the rows of one ``[G, C] x [C, BLOCK_N]`` dot, so each page tile is
@@ -136,21 +136,29 @@ def _attend(acc, m_i, l_i, q, k, v, ok, qk_scale, PREC: tl.constexpr):
 
 @_jit
 def _full_range(
-    acc, m_i, l_i, q, lo, hi, WIN, wtab, sw_blk, sw_row, k_col, v_col, qk_scale,
+    acc, m_i, l_i, q, lo, hi, PACKED, ptab, sp_blk, sp_row, WIN, wtab, sw_blk, sw_row, kp, kr, v_col, v_rest,
+    qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Keys ``[lo, hi)`` with every channel, from the window pages (K at column ``k_col``, V at ``v_col``)."""
+    """Keys ``[lo, hi)`` with every channel: K channel d of the head from the packed row's column ``kp[d]`` or the
+    rest row's ``kr[d]`` (the other is -1), V from column ``v_col`` of the rest row (``v_rest``) or the packed row
+    (both pointers already at the layer's columns)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         ok = pos < hi
-        blk = tl.load(wtab + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        row = WIN + blk * sw_blk + (pos % BLOCK_SIZE) * sw_row
-        k = tl.load(row[None, :] + k_col + offs_d[:, None], mask=ok[None, :] & d_ok[:, None], other=0)
-        v = tl.load(row[:, None] + v_col + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0)
+        pblk = tl.load(ptab + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        wblk = tl.load(wtab + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        prow = PACKED + pblk * sp_blk + (pos % BLOCK_SIZE) * sp_row
+        wrow = WIN + wblk * sw_blk + (pos % BLOCK_SIZE) * sw_row
+        k = tl.load(prow[None, :] + kp[:, None], mask=ok[None, :] & (kp >= 0)[:, None], other=0) + tl.load(
+            wrow[None, :] + kr[:, None], mask=ok[None, :] & (kr >= 0)[:, None], other=0
+        )  # each element from one of the two rows (the other load is masked to 0)
+        vrow = tl.where(v_rest, wrow, prow)
+        v = tl.load(vrow[:, None] + v_col + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0)
         k = _dequant(k, FP8).to(q.dtype)
         v = _dequant(v, FP8).to(q.dtype)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, ok, qk_scale, PREC)
@@ -159,7 +167,7 @@ def _full_range(
 
 @_jit
 def _decode_kernel(
-    Q, PACKED, PTAB, WIN, WTAB, SEQ, KOFF, KCNT, KCH, VCOL, ACC, M, L, OUT,
+    Q, PACKED, PTAB, WIN, WTAB, SEQ, KOFF, KCNT, KCH, VCOL, FKP, FKR, RVCOL, ACC, M, L, OUT,
     sq_b, sq_h, sp_blk, sp_row, spt_b, sw_blk, sw_row, swt_b, so_b, so_h,
     packed_offset, window_offset, qk_scale, v_scale,
     SINK: tl.constexpr, RECENT: tl.constexpr, ACCUMU: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -189,17 +197,23 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
-    # sink [0, SINK) and recent window [full_from, seq): every channel, from the window pages (hi <= seq)
+    # sink [0, SINK) and recent window [full_from, seq): every channel, the packed row's and the window pages'
+    # rest row's (hi <= seq)
     q = tl.load(q_row[:, None] + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     wtab = WTAB + b * swt_b
-    k_col = window_offset + h * D
-    v_col = window_offset + (HKV + h) * D
+    ptab = PTAB + b * spt_b
+    kp = tl.load(FKP + h * D + offs_d, mask=d_ok, other=-1)
+    kr = tl.load(FKR + h * D + offs_d, mask=d_ok, other=-1)
+    v_rest = tl.load(RVCOL + h) >= 0
+    full_v = tl.where(v_rest, tl.load(RVCOL + h), tl.load(VCOL + h))
     acc, m_i, l_i = _full_range(
-        acc, m_i, l_i, q, lo, tl.minimum(hi, SINK), WIN, wtab, sw_blk, sw_row, k_col, v_col, qk_scale,
+        acc, m_i, l_i, q, lo, tl.minimum(hi, SINK), PACKED + packed_offset, ptab, sp_blk, sp_row,
+        WIN + window_offset, wtab, sw_blk, sw_row, kp, kr, full_v, v_rest, qk_scale,
         BLOCK_SIZE, BLOCK_N, BLOCK_D, D, FP8, PREC,
     )  # fmt: skip
     acc, m_i, l_i = _full_range(
-        acc, m_i, l_i, q, tl.maximum(lo, full_from), hi, WIN, wtab, sw_blk, sw_row, k_col, v_col, qk_scale,
+        acc, m_i, l_i, q, tl.maximum(lo, full_from), hi, PACKED + packed_offset, ptab, sp_blk, sp_row,
+        WIN + window_offset, wtab, sw_blk, sw_row, kp, kr, full_v, v_rest, qk_scale,
         BLOCK_SIZE, BLOCK_N, BLOCK_D, D, FP8, PREC,
     )  # fmt: skip
 
@@ -213,7 +227,6 @@ def _decode_kernel(
     qm = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
     mid_lo = tl.maximum(lo, SINK)
     mid_hi = tl.where(cnt > 0, tl.minimum(hi, rf), mid_lo)  # a head keeping no channel has no middle keys
-    ptab = PTAB + b * spt_b
     for start in range(mid_lo, mid_hi, BLOCK_N):
         pos = start + offs_n
         ok = pos < mid_hi
@@ -290,9 +303,9 @@ def _stored(x, is_k, k_scale, v_scale, DST, FP8: tl.constexpr):
 
 @_jit
 def _write_kernel(
-    K, V, PSLOT, WSLOT, PACKED, WIN, SRC,
+    K, V, PSLOT, WSLOT, PACKED, WIN, SRC, RSRC,
     sk_n, sk_h, sv_n, sv_h, sp_blk, sp_row, sw_blk, sw_row,
-    packed_offset, window_offset, width, nk, k_scale, v_scale,
+    packed_offset, window_offset, width, nk, rest_width, nkr, k_scale, v_scale,
     HD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -309,11 +322,12 @@ def _write_kernel(
     ws = tl.load(WSLOT + t).to(tl.int64)
     if ws >= BLOCK_SIZE:  # -1: padding; [0, BLOCK_SIZE): the null block, which nothing reads
         dst = WIN + (ws // BLOCK_SIZE) * sw_blk + (ws % BLOCK_SIZE) * sw_row + window_offset
-        for c0 in range(0, 2 * HD, BLOCK_W):
+        for c0 in range(0, rest_width, BLOCK_W):
             c = c0 + offs
-            ok = c < 2 * HD
-            x = _gather(K, V, t, c, ok, sk_n, sk_h, sv_n, sv_h, HD, D)
-            tl.store(dst + c, _stored(x, c < HD, k_scale, v_scale, WIN, FP8), mask=ok)
+            ok = c < rest_width
+            src = tl.load(RSRC + c, mask=ok, other=-1)
+            x = _gather(K, V, t, src, ok, sk_n, sk_h, sv_n, sv_h, HD, D)
+            tl.store(dst + c, _stored(x, c < nkr, k_scale, v_scale, WIN, FP8), mask=ok)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------
@@ -351,9 +365,22 @@ def layer_tables(layout: PackedLayout, device: torch.device) -> tuple[torch.Tens
         src = torch.full((layout.width,), -1, dtype=torch.long)
         src[:nk] = k_index
         src[nk : nk + v_index.numel()] = hkv * d + v_index
-        tensors = tuple(t.to(device=device, dtype=torch.int32) for t in (k_off, counts, v_col, channels, src))
+        # the rest row (dropped K channels, then the V of heads keeping none): where each full K element is, and
+        # where each head's V is when the packed row lacks it; the write's source of every rest column
+        kr_index, vr_index = layout.kr_index.cpu(), layout.vr_index.cpu()
+        fkp = torch.full((hkv * d,), -1, dtype=torch.long)
+        fkp[k_index] = torch.arange(nk)
+        fkr = torch.full((hkv * d,), -1, dtype=torch.long)
+        fkr[kr_index] = torch.arange(kr_index.numel())
+        rv_col = torch.full((hkv,), -1, dtype=torch.long)
+        for i, h in enumerate(sorted(set(range(hkv)) - set(layout.v_heads))):
+            rv_col[h] = kr_index.numel() + i * d
+        rsrc = torch.cat([kr_index, hkv * d + vr_index]) if layout.rest_width else torch.full((1,), -1)
+        tensors = tuple(
+            t.to(device=device, dtype=torch.int32) for t in (k_off, counts, v_col, channels, src, fkp, fkr, rv_col, rsrc)
+        )
         _tables[key] = (*tensors, int(counts.max()) if nk else 0, layout)  # the layout keeps its id its own
-    return _tables[key][:6]
+    return _tables[key][:10]
 
 
 def prepare(plan: WorkerPlan, device: torch.device) -> None:
@@ -435,7 +462,7 @@ def decode(
     if packed_table.stride(1) != 1 or window_table.stride(1) != 1:
         raise ValueError("block tables need contiguous rows")
     g = hq // hkv
-    k_off, counts, v_col, channels, _, max_count = layer_tables(slot.layout, q.device)
+    k_off, counts, v_col, channels, _, fkp, fkr, rv_col, _, max_count = layer_tables(slot.layout, q.device)
     s = num_splits(b, hkv, q.device)
     acc = m = lsum = out  # unused when S == 1
     if s > 1:
@@ -444,7 +471,8 @@ def decode(
         lsum = torch.empty_like(m)
     block_d = _pow2(d)
     _decode_kernel[(b, hkv, s)](
-        q, packed, packed_table, window, window_table, seq_lens, k_off, counts, channels, v_col, acc, m, lsum, out,
+        q, packed, packed_table, window, window_table, seq_lens, k_off, counts, channels, v_col, fkp, fkr, rv_col,
+        acc, m, lsum, out,
         q.stride(0), q.stride(1), packed.stride(0), packed.stride(1), packed_table.stride(0),
         window.stride(0), window.stride(1), window_table.stride(0), out.stride(0), out.stride(1),
         slot.packed_offset, slot.window_offset, scale * _LOG2E * k_scale, v_scale,
@@ -474,7 +502,7 @@ def write(
 ) -> None:
     """The step's K/V ``[n, Hkv, D]`` into this layer's columns, as
     :func:`~leank_infer.vllm.paged_reference.write_pages` does, in one launch without host syncs: a packed
-    row at every ``packed_slots`` entry ``>= 0``, a full row at every ``window_slots`` entry ``>= block_size``."""
+    row at every ``packed_slots`` entry ``>= 0``, a rest row at every ``window_slots`` entry ``>= block_size``."""
     _load()
     n = k.shape[0]
     if n == 0:
@@ -490,11 +518,12 @@ def write(
         v = v.contiguous()
     layout = slot.layout
     hd = layout.num_kv_heads * layout.head_dim
-    src = layer_tables(layout, k.device)[4]
+    tables = layer_tables(layout, k.device)
     _write_kernel[(n,)](
-        k, v, packed_slots, window_slots, packed, window, src,
+        k, v, packed_slots, window_slots, packed, window, tables[4], tables[8],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         packed.stride(0), packed.stride(1), window.stride(0), window.stride(1),
-        slot.packed_offset, slot.window_offset, layout.width, layout.k_index.numel(), k_scale, v_scale,
+        slot.packed_offset, slot.window_offset, layout.width, layout.k_index.numel(),
+        layout.rest_width, layout.kr_index.numel(), k_scale, v_scale,
         HD=hd, D=layout.head_dim, BLOCK_SIZE=bs, BLOCK_W=WRITE_BLOCK, FP8=code,
     )  # fmt: skip

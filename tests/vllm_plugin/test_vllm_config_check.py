@@ -60,6 +60,8 @@ CASES = [
         "every token of a request up to max_model_len 4096 (LeanK prunes a token only in "
         "requests of at least 2147483712 tokens)",
     ),
+    # an engine setting LeanK does not implement (checked in the worker before: a buried line too)
+    ({"leank_mask": MASK}, {"kv_cache_dtype": "bfloat16"}, "LeanK serving does not support kv_cache_dtype='bfloat16'"),
     (
         {"leank_mask": MASK},
         {"max_model_len": 95},

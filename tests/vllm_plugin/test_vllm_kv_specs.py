@@ -191,6 +191,28 @@ def test_no_junction_window_when_the_pool_is_short_or_the_blocks_are_older():
 
 
 # ---- the dense-prompt rule: every prompt block while the prompt is computed ----------------------------------
+@pytest.mark.parametrize("length", [4096, 1000, 40])
+@pytest.mark.parametrize("chunk", [4096, 512, 100])
+def test_the_admission_count_is_the_most_a_request_holds(length, chunk):
+    """max_admission_blocks_per_request is exact: a prompt of max_model_len - 1 tokens, chunked, then decoded to
+    max_model_len, never holds more blocks than it, and holds that many at some step (a shorter max_model_len: the
+    decode window's own peak)."""
+    m = manager(num_blocks=600, dense_prompt=True)
+    m.num_cached_block["r"] = 0
+    prompt = length - 1
+    held = []
+    for c in range(0, prompt, chunk):
+        step(m, "r", c, min(chunk, prompt - c), prompt)
+        held.append(len(real(m.req_to_blocks["r"])))
+    for p in range(prompt, length):
+        step(m, "r", p, 1, prompt)
+        held.append(len(real(m.req_to_blocks["r"])))
+    assert max(held) <= m.kv_cache_spec.max_admission_blocks_per_request(8192, length)
+    if length > WINDOW * 4:
+        assert max(held) == m.kv_cache_spec.max_admission_blocks_per_request(8192, length)
+
+
+
 @pytest.mark.parametrize("chunk", [1000, 256, 100])
 def test_a_dense_prompt_is_held_whole_until_it_is_computed_then_only_sink_and_window(chunk):
     """Chunked or not, every block of the prompt is real while it is computed (later chunks read the earlier
