@@ -83,6 +83,32 @@ def test_pipeline_stages_share_one_page_size():
         sum(packed_width(mask.keep[layer]) for layer in stage) for stage in stages
     )
     assert set(plans[1].slots) == {4, 5, 6, 7} and plans[1].slots[4].packed_offset == 0
+    assert plans[0].page_elements == plans[1].page_elements
+
+
+def test_a_rest_row_wider_than_a_packed_row_widens_every_stages_page():
+    """A stage whose layers keep almost nothing has rest rows wider than the widest stage's packed row: every stage's
+    page grows to it (vLLM's pool has one page size), and a layer keeping everything (no rest row) gets a column
+    inside the page."""
+    mask = random_mask(5, 3, 64, [64])
+    mask.keep[:] = False
+    mask.keep[:2, :2, 0] = True  # stage 0: one channel in heads 0 and 1: packed 130, rest 254 a layer
+    mask.keep[2:4, 0, 0] = True  # stage 1: one channel in head 0: packed 65, rest 319 > the packed row (260)
+    mask.keep[4] = True  # and a layer keeping everything: no rest row
+    stages = [[0, 1], [2, 3, 4]]
+    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    assert plans[0].packed_row == plans[1].packed_row == 65 + 65 + 384
+    mask.keep[4] = False
+    mask.keep[4, 0, 0] = True
+    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    assert plans[0].packed_row == 260 and plans[1].slots[2].window_width == 319
+    assert len({p.page_elements for p in plans}) == 1
+    assert plans[0].window_row == plans[1].window_row == 319 > plans[0].packed_row
+    mask.keep[4] = True  # the last layer keeps everything again: its empty rest row's column stays in the page
+    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    for plan in plans:
+        for slot in plan.slots.values():
+            assert slot.window_offset + max(1, slot.window_width) <= plan.window_row
 
 
 def test_a_mask_that_fits_the_shape_but_not_the_model_is_refused_in_vllm_as_in_transformers(tmp_path):

@@ -125,10 +125,13 @@ static inline float exp_f(float x) {
     return p * two_n;
 }
 
+// The tile functions below are always inlined: called from both keys() and keys_full(), GCC would keep them out
+// of line, which measured 20-30% slower decode steps (benchmarks/vllm_kernel.py, batch 4 x 2k).
+
 // s[g * TILE + t] = q_g . k_t over n channels for GB query heads (q rows ldq apart); each 8-channel piece of
 // a key is loaded once for all GB heads.
 template <class L, int GB>
-static void dot_tile(const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
+static inline __attribute__((always_inline)) void dot_tile(const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
                      const float *lut, float *s) {
     for (int64_t t = 0; t < nt; t++) {
         const typename L::T *k = kr[t];
@@ -156,7 +159,7 @@ static void dot_tile(const float *q, int64_t ldq, const typename L::T *const *kr
 // acc[g][0..D) += sum_t p[g * TILE + t] * v_t for GB query heads: 16 channels of every head stay in registers
 // across the tile.
 template <class L, int GB>
-static void v_tile(const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
+static inline __attribute__((always_inline)) void v_tile(const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
                    float *acc) {
     int64_t d0 = 0;
     for (; d0 + 16 <= D; d0 += 16) {
@@ -190,7 +193,7 @@ static void v_tile(const float *p, const typename L::T *const *vr, int64_t nt, i
 }
 
 template <class L>
-static void dot_any(int gb, const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
+static inline __attribute__((always_inline)) void dot_any(int gb, const float *q, int64_t ldq, const typename L::T *const *kr, int64_t nt, int64_t n,
                     const float *lut, float *s) {
     switch (gb) {
         case 1: dot_tile<L, 1>(q, ldq, kr, nt, n, lut, s); break;
@@ -205,7 +208,7 @@ static void dot_any(int gb, const float *q, int64_t ldq, const typename L::T *co
 }
 
 template <class L>
-static void v_any(int gb, const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
+static inline __attribute__((always_inline)) void v_any(int gb, const float *p, const typename L::T *const *vr, int64_t nt, int64_t D, const float *lut,
                   float *acc) {
     switch (gb) {
         case 1: v_tile<L, 1>(p, vr, nt, D, lut, acc); break;
@@ -220,82 +223,115 @@ static void v_any(int gb, const float *p, const typename L::T *const *vr, int64_
 }
 
 struct Scratch {  // one thread's buffers, for all Hq query heads of a request
-    float *s, *s2, *qf, *qk, *qr, *acc, *m, *l;
+    float *s, *qf, *qk, *qc, *acc, *m, *l;
     const void **rows, **rows2, **kr, **vr;
+    void *F;  // [TILE, D] elements: one KV head's full K rows of a tile, put together (keys_full)
 };
 
-struct Pages {  // one kind of page of the layer: token pos's row at base + table[pos / bs] * block_stride + (pos % bs) * row
-    const void *base;
-    int64_t block_stride, row;
-    const int32_t *table;
-};
-
-struct Cols {  // what a head reads of a row: n[h] K channels at column k[h] scored with the query q (rows D apart)
-    const int64_t *k, *n;
-    const float *q;
-};
-
-// Keys [a, e) of one request for the KV heads h in heads[0..nh): scores of its G query heads over the K
-// channels c1 of its row in pages p1, plus (when p2) those c2 of its row in p2, values of D channels at column
-// vcol[h] of the row in p1 (vsrc[h] < 0 or no p2) or in p2, folded tile by tile into the online softmax of
-// those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one after the other: a
-// token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
+// Fold one tile's scores s[g * TILE + t] of a KV head's G query heads into their online softmax (m, l, acc) with
+// the values at vr[t].
 template <class L>
-static void keys(const Args &A, const Pages &p1, const Pages *p2, const int64_t *heads, int64_t nh, const Cols &c1,
-                 const Cols &c2, const int64_t *vcol, const int64_t *vsrc, int64_t a, int64_t e, Scratch &S) {
+static inline __attribute__((always_inline)) void fold(const Args &A, int64_t G, int64_t nt, float *s, float *m, float *l, float *acc,
+                        const typename L::T *const *vr) {
+    const int64_t D = A.D;
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * TILE;
+        float mx = m[g];
+        for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;  // a NaN score stays in w below
+        const float c = exp_f(m[g] - mx);  // first tile: exp(-inf) = 0
+        float sum = 0.f;
+        for (int64_t t = 0; t < nt; t++) {
+            const float w = exp_f(sg[t] - mx);
+            sg[t] = w;
+            sum += w;
+        }
+        l[g] = l[g] * c + sum;
+        m[g] = mx;
+        float *ag = acc + g * D;
+        for (int64_t d = 0; d < D; d++) ag[d] *= c;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+        const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
+        v_any<L>(gb, s + g0 * TILE, vr, nt, D, A.lut, acc + g0 * D);
+    }
+}
+
+// Keys [a, e) of one request's pages (token pos's row at base + table[pos / bs] * block_stride + (pos % bs) *
+// row) for the KV heads h in heads[0..nh): scores of its G query heads over n[h] channels at column kcol[h]
+// (queries q + h * G * D, rows D apart), values of D channels at column vcol[h], folded tile by tile into the
+// online softmax of those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one
+// after the other: a token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
+template <class L>
+static void keys(const Args &A, const typename L::T *base, int64_t block_stride, int64_t row, const int32_t *table,
+                 const int64_t *heads, int64_t nh, const int64_t *kcol, const int64_t *vcol, const int64_t *n,
+                 const float *q, int64_t a, int64_t e, Scratch &S) {
     typedef typename L::T T;
     const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
-    const T **rows = (const T **)S.rows, **rows2 = (const T **)S.rows2, **kr = (const T **)S.kr;
-    const T **vr = (const T **)S.vr;
+    const T **rows = (const T **)S.rows, **kr = (const T **)S.kr, **vr = (const T **)S.vr;
     for (int64_t t0 = a; t0 < e; t0 += TILE) {
         const int64_t nt = e - t0 < TILE ? e - t0 : TILE;  // the tile clamp
         for (int64_t t = 0; t < nt; t++) {
             const int64_t pos = t0 + t;
-            rows[t] = (const T *)p1.base + (int64_t)p1.table[pos / bs] * p1.block_stride + (pos % bs) * p1.row;
-            if (p2) rows2[t] = (const T *)p2->base + (int64_t)p2->table[pos / bs] * p2->block_stride + (pos % bs) * p2->row;
+            rows[t] = base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row;
         }
         for (int64_t i = 0; i < nh; i++) {
             const int64_t h = heads[i];
-            const bool v2 = p2 && vsrc[h] >= 0;
             for (int64_t t = 0; t < nt; t++) {
-                kr[t] = rows[t] + c1.k[h];
-                vr[t] = (v2 ? rows2[t] : rows[t]) + vcol[h];
+                kr[t] = rows[t] + kcol[h];
+                vr[t] = rows[t] + vcol[h];
             }
             float *s = S.s + h * G * TILE, *m = S.m + h * G, *l = S.l + h * G, *acc = S.acc + h * G * D;
             for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
                 const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-                dot_any<L>(gb, c1.q + (h * G + g0) * D, D, kr, nt, c1.n[h], A.lut, s + g0 * TILE);
+                dot_any<L>(gb, q + (h * G + g0) * D, D, kr, nt, n[h], A.lut, s + g0 * TILE);
             }
-            if (p2 && c2.n[h] > 0) {  // the rest of the channels, from the second row
-                for (int64_t t = 0; t < nt; t++) kr[t] = rows2[t] + c2.k[h];
-                float *s2 = S.s2 + h * G * TILE;
-                for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-                    const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-                    dot_any<L>(gb, c2.q + (h * G + g0) * D, D, kr, nt, c2.n[h], A.lut, s2 + g0 * TILE);
-                }
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t t = 0; t < nt; t++) s[g * TILE + t] += s2[g * TILE + t];
+            fold<L>(A, G, nt, s, m, l, acc, vr);
+        }
+    }
+}
+
+struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
+    int64_t *all, *mid, n_mid;  // every KV head; those keeping any channel
+    int64_t *mid_k, *mid_n;     // [Hkv] first kept K column of head h in a packed row, how many
+    int64_t *rest_k, *rest_n;   // [Hkv] first dropped K column of head h in a rest row, how many
+};
+
+// The sink and recent keys [a, e) of one request, every channel of every KV head: per key and head its kept K
+// channels (packed row, column mid_k[h], mid_n[h] of them) and its dropped ones (rest row, column rest_k[h]) are
+// copied side by side into one row of D (S.F), scored in one dot with the query permuted alike (S.qc: kept
+// channels, then dropped), and folded as in keys(); V from the packed row (v_col[h] >= 0) or the rest row.
+template <class L>
+static void keys_full(const Args &A, const Heads &H, const typename L::T *packed, const int32_t *ptable,
+                      const typename L::T *rest, const int32_t *rtable, int64_t a, int64_t e, Scratch &S) {
+    typedef typename L::T T;
+    const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
+    const T **rows = (const T **)S.rows, **rows2 = (const T **)S.rows2, **kr = (const T **)S.kr;
+    const T **vr = (const T **)S.vr;
+    T *F = (T *)S.F;
+    for (int64_t t0 = a; t0 < e; t0 += TILE) {
+        const int64_t nt = e - t0 < TILE ? e - t0 : TILE;  // the tile clamp
+        for (int64_t t = 0; t < nt; t++) {
+            const int64_t pos = t0 + t;
+            rows[t] = packed + (int64_t)ptable[pos / bs] * A.packed_block_stride + (pos % bs) * A.packed_row;
+            rows2[t] = rest + (int64_t)rtable[pos / bs] * A.window_block_stride + (pos % bs) * A.window_row;
+        }
+        for (int64_t h = 0; h < A.Hkv; h++) {
+            const int64_t n1 = H.mid_n[h], n2 = H.rest_n[h], k1 = H.mid_k[h], k2 = H.rest_k[h];
+            const bool v_rest = A.v_col[h] < 0;
+            const int64_t vc = v_rest ? A.rv_col[h] : A.v_col[h];
+            for (int64_t t = 0; t < nt; t++) {
+                T *f = F + t * D;
+                memcpy(f, rows[t] + k1, sizeof(T) * (size_t)n1);
+                memcpy(f + n1, rows2[t] + k2, sizeof(T) * (size_t)n2);
+                kr[t] = f;
+                vr[t] = (v_rest ? rows2[t] : rows[t]) + vc;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = s + g * TILE;
-                float mx = m[g];
-                for (int64_t t = 0; t < nt; t++) mx = sg[t] > mx ? sg[t] : mx;  // a NaN score stays in w below
-                const float c = exp_f(m[g] - mx);  // first tile: exp(-inf) = 0
-                float sum = 0.f;
-                for (int64_t t = 0; t < nt; t++) {
-                    const float w = exp_f(sg[t] - mx);
-                    sg[t] = w;
-                    sum += w;
-                }
-                l[g] = l[g] * c + sum;
-                m[g] = mx;
-                float *ag = acc + g * D;
-                for (int64_t d = 0; d < D; d++) ag[d] *= c;
-            }
+            float *s = S.s + h * G * TILE, *m = S.m + h * G, *l = S.l + h * G, *acc = S.acc + h * G * D;
             for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
                 const int gb = (int)(G - g0 < GMAX ? G - g0 : GMAX);
-                v_any<L>(gb, s + g0 * TILE, vr, nt, D, A.lut, acc + g0 * D);
+                dot_any<L>(gb, S.qc + (h * G + g0) * D, D, kr, nt, D, A.lut, s + g0 * TILE);
             }
+            fold<L>(A, G, nt, s, m, l, acc, vr);
         }
     }
 }
@@ -319,12 +355,6 @@ static inline float q_at(const Args &A, int64_t i) {
 
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
-struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
-    int64_t *all, *mid, n_mid;  // every KV head; those keeping any channel
-    int64_t *mid_k, *mid_n;     // [Hkv] first kept K column of head h in a packed row, how many
-    int64_t *rest_k, *rest_n;   // [Hkv] first dropped K column of head h in a rest row, how many
-    int64_t *full_v;            // [Hkv] head h's V column: in the packed row (v_col), else in the rest row (rv_col)
-};
 
 template <class L>
 static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, float *parts) {
@@ -337,25 +367,25 @@ static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, 
         for (int64_t d = 0; d < D; d++) S.qf[qh * D + d] = (float)(q_at(A, (b * Hq + qh) * D + d) * qscale);
         const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
         for (int64_t c = 0; c < nk; c++) S.qk[qh * D + c] = S.qf[qh * D + A.k_ch[c0 + c]];
-        const int64_t r0 = A.rk_off[h], nr = A.rk_off[h + 1] - r0;
-        for (int64_t c = 0; c < nr; c++) S.qr[qh * D + c] = S.qf[qh * D + A.rk_ch[r0 + c]];
+        const int64_t r0 = A.rk_off[h], nr = A.rk_off[h + 1] - r0;  // qc: kept channels, then dropped ones
+        for (int64_t c = 0; c < nk; c++) S.qc[qh * D + c] = S.qk[qh * D + c];
+        for (int64_t c = 0; c < nr; c++) S.qc[qh * D + nk + c] = S.qf[qh * D + A.rk_ch[r0 + c]];
         S.m[qh] = -INFINITY;
         S.l[qh] = 0.f;
     }
     memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
-    const Pages packed = {(const T *)A.packed + A.packed_offset, A.packed_block_stride, A.packed_row,
-                          A.packed_table + b * A.packed_table_stride};
-    const Cols kept = {H.mid_k, H.mid_n, S.qk};
+    const T *pk = (const T *)A.packed + A.packed_offset;
+    const int32_t *pt = A.packed_table + b * A.packed_table_stride;
     if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, packed + rest row
-        const Pages rest = {(const T *)A.window + A.window_offset, A.window_block_stride, A.window_row,
-                            A.window_table + b * A.window_table_stride};
-        const Cols dropped = {H.rest_k, H.rest_n, S.qr};
+        const T *w = (const T *)A.window + A.window_offset;
+        const int32_t *wt = A.window_table + b * A.window_table_stride;
         const int64_t sink_end = A.sink < p + 1 ? A.sink : p + 1;
-        keys<L>(A, packed, &rest, H.all, A.Hkv, kept, dropped, H.full_v, A.rv_col, 0, sink_end, S);
-        keys<L>(A, packed, &rest, H.all, A.Hkv, kept, dropped, H.full_v, A.rv_col, it.full_from, p + 1, S);
+        keys_full<L>(A, H, pk, pt, w, wt, 0, sink_end, S);
+        keys_full<L>(A, H, pk, pt, w, wt, it.full_from, p + 1, S);
     }
     if (it.mid_e > it.mid_a)  // middle: each head's kept channels, packed pages
-        keys<L>(A, packed, NULL, H.mid, H.n_mid, kept, kept, A.v_col, NULL, it.mid_a, it.mid_e, S);
+        keys<L>(A, pk, A.packed_block_stride, A.packed_row, pt, H.mid, H.n_mid, H.mid_k, A.v_col, H.mid_n, S.qk,
+                it.mid_a, it.mid_e, S);
     if (it.part < 0) {
         for (int64_t qh = 0; qh < Hq; qh++) {
             const float inv = (float)(A.v_scale / S.l[qh]);
@@ -410,13 +440,12 @@ static int run(const Args &A) {
     // first full recent key
     int64_t *first = buf64, *splits = first + B, *left = splits + B, *mids = left + B, *full_from = mids + B;
     Heads H;
-    H.all = full_from + B, H.mid = H.all + Hkv, H.rest_k = H.mid + Hkv, H.full_v = H.rest_k + Hkv;
-    H.rest_n = H.full_v + Hkv, H.mid_k = H.rest_n + Hkv, H.mid_n = H.mid_k + Hkv;
+    H.all = full_from + B, H.mid = H.all + Hkv, H.rest_k = H.mid + Hkv, H.rest_n = H.rest_k + Hkv;
+    H.mid_k = H.rest_n + Hkv, H.mid_n = H.mid_k + Hkv;
     H.n_mid = 0;
     int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
     for (int64_t h = 0; h < Hkv; h++) {
         H.all[h] = h, H.rest_k[h] = A.rk_off[h], H.rest_n[h] = A.rk_off[h + 1] - A.rk_off[h];
-        H.full_v[h] = A.v_col[h] >= 0 ? A.v_col[h] : A.rv_col[h];
         H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
         if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
     }
@@ -462,15 +491,15 @@ static int run(const Args &A) {
 #pragma omp parallel num_threads(threads)
     {
         Scratch S;
-        const size_t nf = (size_t)(2 * Hq * TILE + 4 * Hq * D + 2 * Hq);
-        float *buf = (float *)malloc(sizeof(float) * nf);
+        const size_t nf = (size_t)(Hq * TILE + 4 * Hq * D + 2 * Hq);
+        float *buf = (float *)malloc(sizeof(float) * nf + sizeof(float) * (size_t)(TILE * D));  // + S.F (<= 4 B)
         const void **ptrs = (const void **)malloc(sizeof(void *) * 4 * TILE);
         if (!buf || !ptrs) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            S.s = buf, S.s2 = S.s + Hq * TILE, S.qf = S.s2 + Hq * TILE, S.qk = S.qf + Hq * D, S.qr = S.qk + Hq * D;
-            S.acc = S.qr + Hq * D, S.m = S.acc + Hq * D, S.l = S.m + Hq;
+            S.s = buf, S.qf = S.s + Hq * TILE, S.qk = S.qf + Hq * D, S.acc = S.qk + Hq * D, S.m = S.acc + Hq * D;
+            S.l = S.m + Hq, S.qc = S.l + Hq, S.F = S.qc + Hq * D;
             S.rows = ptrs, S.rows2 = ptrs + TILE, S.kr = ptrs + 2 * TILE, S.vr = ptrs + 3 * TILE;
         }
 #pragma omp for schedule(dynamic, 1) nowait

@@ -142,9 +142,13 @@ class WorkerPlan:
             for stage in (stages or [layers])
             for r in ranks
         )
-        # rest rows, as wide as the widest rank's, so that every rank cuts the same stores
-        rest = {layer: full - min(packed_width(mask.keep[layer][r]) for r in ranks) for layer in layers}
-        capacity = max([offset, *rest.values()])  # a store's row, at most a page
+        # rest rows, as wide as the widest rank's, so that every rank cuts the same stores; a store's row is a page
+        # of every stage (one wider than a packed row widens every stage's page)
+        def rest_of(layer: int) -> int:
+            return full - min(packed_width(mask.keep[layer][r]) for r in ranks)
+
+        rest = {layer: rest_of(layer) for layer in layers}
+        capacity = max([offset, *(rest_of(layer) for stage in (stages or [layers]) for layer in stage)])
         stores: list[list[int]] = [[]]
         used = 0
         for layer in layers:
@@ -152,10 +156,13 @@ class WorkerPlan:
                 stores.append([])
                 used = 0
             s = slots[layer]
-            slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, len(stores) - 1, used, rest[layer])
+            at = used if rest[layer] else 0  # a layer with no rest row: a column nothing reads, inside the page
+            slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, len(stores) - 1, at, rest[layer])
             stores[-1].append(layer)
             used += rest[layer]
         window_row = max(max(1, sum(rest[layer] for layer in store)) for store in stores)
+        if capacity > offset:  # some stage's rest row is wider than a packed row: every stage's page is that wide
+            window_row = capacity
         return cls(
             slots, offset, window_row, tuple(tuple(store) for store in stores), len(mine), head_dim, block_size,
             mask.sink_size, mask.recent_size, mask.accumu_size, dense_prompt,

@@ -114,7 +114,7 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
             few = [e for e in extends if e[0] >= num_decodes and e[2] - e[1] <= self.max_multi and e[3] >= e[4]]
             if few:
                 extends = tuple(e for e in extends if e not in few)
-                multi = _multi_rows(num_decodes, few, lens_cpu, cm.seq_lens.device)
+                multi = _multi_rows(num_decodes, few, cm.seq_lens)
         return LeanKMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_decodes=num_decodes,
@@ -133,28 +133,34 @@ def max_multi_queries(vllm_config: Any) -> int:
     """How many generated queries of one request the batched decode takes in a step: at most
     :data:`MAX_MULTI_QUERIES`, and fewer than the window (``recent + accumu``), so that every key those queries
     score with every channel is in a real window block (the window manager leaves the start of a longer run of
-    new tokens unallocated: such a run reads its own K/V from the step, in the extend path)."""
+    new tokens, with the step's lookahead slots, unallocated: such a run reads its own K/V from the step, in the
+    extend path)."""
     context = vllm_config.compilation_config.static_forward_context
     plans = [getattr(getattr(m, "impl", None), "plan", None) for m in context.values()]
     plan = next((p for p in plans if p is not None), None)
-    return 0 if plan is None else max(0, min(MAX_MULTI_QUERIES, plan.window - 1))
+    spec = getattr(vllm_config, "speculative_config", None)
+    lookahead = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+    # the window manager keeps the window of the step's last slot, lookahead slots included
+    return 0 if plan is None else max(0, min(MAX_MULTI_QUERIES, plan.window - 1 - lookahead))
 
 
 def _multi_rows(
-    num_decodes: int, few: list[tuple[int, int, int, int, int]], lens: torch.Tensor, device: torch.device
+    num_decodes: int, few: list[tuple[int, int, int, int, int]], seq_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, request row, keys) of every decode row: the one-token decodes, then one row per query of ``few``
-    (query ``j`` of a request that had ``cached`` tokens sees ``cached + j + 1`` keys)."""
-    tokens, rows, keys = list(range(num_decodes)), list(range(num_decodes)), lens[:num_decodes].tolist()
-    for row, start, end, cached, _ in few:
+    """(token, request row, keys) of every decode row: the one-token decodes, then one row per query of ``few``.
+
+    A query ``back`` tokens before its request's last one sees ``seq_len - back`` keys, taken from the exact
+    ``seq_lens`` on the device: the host's upper bound (vLLM's ``seq_lens_cpu_upper_bound``) assumes every draft of an
+    asynchronously scheduled speculative step was accepted."""
+    tokens, rows, back = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes
+    for row, start, end, _, _ in few:
         tokens += range(start, end)
         rows += [row] * (end - start)
-        keys += range(cached + 1, cached + 1 + end - start)
-    return (
-        torch.tensor(tokens, dtype=torch.long, device=device),
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(keys, dtype=torch.int32, device=device),
-    )
+        back += range(end - 1 - start, -1, -1)
+    device = seq_lens.device
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    keys = seq_lens.index_select(0, rows_t) - torch.tensor(back, dtype=seq_lens.dtype, device=device)
+    return torch.tensor(tokens, dtype=torch.long, device=device), rows_t, keys.to(torch.int32)
 
 
 class StoreBackend(AttentionBackend):

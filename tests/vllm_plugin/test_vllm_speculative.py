@@ -8,39 +8,70 @@ multi-query rows were never checked) and must have gone through the batched deco
 
 from __future__ import annotations
 
-import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from .conftest import ENGINE, MASK, reference_tokens
-from .test_vllm_plugin import prose, run
+from .conftest import ENGINE, MASK, ROOT, reference_tokens
+from .test_vllm_plugin import prose
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 40
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
+# The engine runs in a fresh process: vLLM's n-gram drafter imports numba (llvmlite), whose foreign-function object
+# makes vLLM's scan of sys.modules for Triton kernels fail in any engine built later in the same process.
+CHILD = r"""
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+from leank_infer.vllm import stores
 
-def test_ngram_speculation_gives_leank_models_greedy_tokens(model_dir, tokenizer, monkeypatch):
-    from vllm import LLM
+job = json.load(sys.stdin)
+seen = []  # steps whose batched decode took several queries of one request
+multi_rows = stores._multi_rows
+stores._multi_rows = lambda *a: seen.append(len(a[1])) or multi_rows(*a)
+llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, speculative_config=job["spec"],
+          enforce_eager=True, disable_log_stats=False, **job["engine"])
+params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+accepted = [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"]
+print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "accepted": accepted[0],
+                              "seen": len(seen)}), flush=True)
+"""
 
-    from leank_infer.vllm import stores
 
-    seen = []  # the steps whose batched decode took several queries of one request
-    multi_rows = stores._multi_rows
-    monkeypatch.setattr(stores, "_multi_rows", lambda *a: seen.append(len(a[1])) or multi_rows(*a))
+def test_ngram_speculation_gives_leank_models_greedy_tokens(model_dir, tokenizer):
     ask = tokenizer("\n\nRepeat the first paragraph above word for word.").input_ids
     doc = prose(tokenizer)
     prompts = [doc[1000 * i : 1000 * i + n] + ask for i, n in enumerate((300, 700, 1200))]
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, speculative_config=SPEC,
-              enforce_eager=True, disable_log_stats=False, **ENGINE)  # fmt: skip
-    try:
-        outs = run(llm, prompts, NEW_TOKENS)
-        metrics = {m.name: m for m in llm.get_metrics()}
-    finally:
-        del llm
-        gc.collect()
-    assert [list(o.outputs[0].token_ids) for o in outs] == reference_tokens(prompts, NEW_TOKENS)
-    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
-    assert accepted > 0, "no draft was accepted: the prompts no longer exercise speculation"
-    assert seen, "the drafts never went through the batched decode"
+    job = {"model": str(model_dir), "mask": MASK, "spec": SPEC, "engine": ENGINE, "new": NEW_TOKENS, "prompts": prompts}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(job), capture_output=True, text=True,
+                         env=env, timeout=900)  # fmt: skip
+    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-4000:]
+    got = json.loads(lines[-1][7:])
+    assert got["tokens"] == reference_tokens(prompts, NEW_TOKENS)
+    assert got["accepted"] > 0, "no draft was accepted: the prompts no longer exercise speculation"
+    assert got["seen"], "the drafts never went through the batched decode"
+
+
+def test_draft_rows_count_their_keys_from_the_exact_lengths():
+    """Each query of a few-query request sees its request's keys up to its own position, counted from the exact
+    ``seq_lens`` (vLLM's host upper bound assumes every draft of an asynchronous speculative step was accepted)."""
+    import torch
+
+    from leank_infer.vllm.stores import _multi_rows
+
+    seq_lens = torch.tensor([50, 70, 90, 120], dtype=torch.int32)  # exact, after the step
+    # two one-token decodes, then request 2 with queries [2, 5) and request 3 with [5, 7); the extends' ``cached``
+    # (field 3) is the host's optimistic count and must not be used
+    few = [(2, 2, 5, 999, 0), (3, 5, 7, 999, 0)]
+    tokens, rows, keys = _multi_rows(2, few, seq_lens)
+    assert tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert rows.tolist() == [0, 1, 2, 2, 2, 3, 3]
+    assert keys.tolist() == [50, 70, 88, 89, 90, 119, 120]
