@@ -291,7 +291,7 @@ static void keys(const Args &A, const typename L::T *base, int64_t block_stride,
 }
 
 struct Heads {  // the layer's heads as the kernel walks them (the same for every piece)
-    int64_t *all, *mid, n_mid;  // every KV head; those keeping any channel
+    int64_t *mid, n_mid;        // the KV heads keeping any channel
     int64_t *mid_k, *mid_n;     // [Hkv] first kept K column of head h in a packed row, how many
     int64_t *rest_k, *rest_n;   // [Hkv] first dropped K column of head h in a rest row, how many
 };
@@ -440,12 +440,12 @@ static int run(const Args &A) {
     // first full recent key
     int64_t *first = buf64, *splits = first + B, *left = splits + B, *mids = left + B, *full_from = mids + B;
     Heads H;
-    H.all = full_from + B, H.mid = H.all + Hkv, H.rest_k = H.mid + Hkv, H.rest_n = H.rest_k + Hkv;
+    H.mid = full_from + B, H.rest_k = H.mid + Hkv, H.rest_n = H.rest_k + Hkv;
     H.mid_k = H.rest_n + Hkv, H.mid_n = H.mid_k + Hkv;
     H.n_mid = 0;
     int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
     for (int64_t h = 0; h < Hkv; h++) {
-        H.all[h] = h, H.rest_k[h] = A.rk_off[h], H.rest_n[h] = A.rk_off[h + 1] - A.rk_off[h];
+        H.rest_k[h] = A.rk_off[h], H.rest_n[h] = A.rk_off[h + 1] - A.rk_off[h];
         H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
         if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
     }

@@ -259,7 +259,7 @@ def _layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor
     rk_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(kr // d, minlength=hkv).cumsum(0)])
     rk_ch = (kr % d).contiguous() if kr.numel() else torch.zeros(1, dtype=torch.long)
     rv_col = torch.full((hkv,), -1, dtype=torch.long)
-    for i, h in enumerate(sorted(set(range(hkv)) - set(layout.v_heads))):
+    for i, h in enumerate(layout.rest_v_heads):
         rv_col[h] = kr.numel() + i * d
     a = _Args()
     a.Hkv, a.D, a.block_size = hkv, d, plan.block_size

@@ -130,6 +130,11 @@ class PackedLayout:
         return (self.v_index[:: self.head_dim] // self.head_dim).tolist()
 
     @cached_property
+    def rest_v_heads(self) -> list[int]:
+        """KV heads whose V a rest row stores (those keeping no channel), in row order."""
+        return sorted(set(range(self.num_kv_heads)) - set(self.v_heads))
+
+    @cached_property
     def head_has_middle(self) -> torch.Tensor:
         """``[kv_heads]`` bool: heads that attend to middle keys (those keeping any channel)."""
         heads = torch.zeros(self.num_kv_heads, dtype=torch.bool, device=self.v_index.device)

@@ -373,7 +373,7 @@ def layer_tables(layout: PackedLayout, device: torch.device) -> tuple[torch.Tens
         fkr = torch.full((hkv * d,), -1, dtype=torch.long)
         fkr[kr_index] = torch.arange(kr_index.numel())
         rv_col = torch.full((hkv,), -1, dtype=torch.long)
-        for i, h in enumerate(sorted(set(range(hkv)) - set(layout.v_heads))):
+        for i, h in enumerate(layout.rest_v_heads):
             rv_col[h] = kr_index.numel() + i * d
         rsrc = torch.cat([kr_index, hkv * d + vr_index]) if layout.rest_width else torch.full((1,), -1)
         tensors = tuple(
