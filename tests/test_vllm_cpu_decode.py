@@ -236,6 +236,13 @@ for counts, sizes, heads, d, q_heads, lengths, bs, fp8 in [
     got = cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
                             pg.slot, 0.125, pg.k_scale, pg.v_scale, pg.fp8)
     torch.testing.assert_close(got, reference(pg, 0.125), atol=1e-5, rtol=1e-5)
+    if fp8 is None:  # the gather of a whole prompt, into K/V exactly as long as it
+        whole = random_pages(random_mask(1, heads, d, counts, **sizes), [lengths[-1]], q_heads=q_heads,
+                             block_size=bs, extra_block_stride=0, whole_window=True)
+        n = lengths[-1]
+        k, v = torch.empty(n, heads, d), torch.empty(n, heads, d)
+        cpu_decode.gather(whole.packed, whole.packed_table[0], whole.window, whole.window_table[0], n, whole.slot, k, v)
+        assert torch.equal(k, whole.keys[0]) and torch.equal(v, whole.values[0])
 print("asan ok")
 """
 
@@ -321,3 +328,53 @@ def test_the_write_leaves_fp8_and_odd_tensors_to_the_reference(monkeypatch):
     kernels.write(pages.to(torch.uint8), torch.zeros(2, dtype=torch.long), pages.to(torch.uint8),
                   torch.zeros(2, dtype=torch.long), k, v, slot, 1.0, 1.0, torch.float8_e4m3fn)  # fmt: skip
     assert calls == [torch.float8_e4m3fn] and paged_reference.write_pages is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("counts", [[5, 0, 16], [0, 0, 0], [16, 16, 16]], ids=["mixed", "keeps-nothing", "keeps-all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, threads):
+    """cpu_decode.gather (the dense-prompt rule's prefill reads every earlier prompt token) gives paged_reference's
+    full_rows bit for bit, and so the very K/V that were written: a layer at a non-zero offset of its rows,
+    shuffled blocks strided by more than a page (NaN between), requests long and short; kernels.prompt_kv takes
+    it and equals request_kv(whole=True), the chunk's own K/V after the gathered ones."""
+    from leank_infer.vllm.paged_reference import full_rows, request_kv
+
+    torch.set_num_threads(threads)
+    mask = random_mask(2, 3, 16, counts, seed=7, align=16)
+    lengths = [1, 15, 16, 17, 300]
+    pg = random_pages(mask, lengths, layer=1, block_size=block_size, dtype=dtype, seed=8, whole_window=True)
+    assert pg.slot.packed_offset > 0 and cpu_decode.supports_gather(pg.packed, pg.window, dtype)
+    for b, n in enumerate(lengths):
+        tables = (pg.packed, pg.packed_table[b], pg.window, pg.window_table[b])
+        k = torch.full((n + 3, 3, 16), float("nan"), dtype=dtype)
+        v = torch.full((n + 3, 3, 16), float("nan"), dtype=dtype)
+        cpu_decode.gather(*tables[:2], *tables[2:], n, pg.slot, k, v)
+        want_k, want_v = full_rows(pg.plan, pg.slot, *tables, torch.arange(n), dtype)
+        assert torch.equal(k[:n], want_k) and torch.equal(v[:n], want_v)
+        assert torch.equal(k[:n], pg.keys[b]) and torch.equal(v[:n], pg.values[b])
+        assert k[n:].isnan().all() and v[n:].isnan().all()  # nothing written past the n tokens
+        first = n // 2  # a chunk from the middle of the prompt on: its own K/V follow the gathered ones
+        new_k, new_v = pg.keys[b][first:] * 2, pg.values[b][first:] * 2
+        got = kernels.prompt_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype)
+        want = request_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype, whole=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_prompt_gather_leaves_fp8_and_odd_pages_to_pytorch(monkeypatch):
+    """fp8 pages (scales), pages of another dtype than the model's and K/V the gather cannot write into take the
+    PyTorch gather, or one error naming the tensors."""
+    mask = random_mask(1, 3, 16, [5, 0, 16], seed=6, align=16)
+    pg = random_pages(mask, [40], fp8="e4m3", seed=9, whole_window=True)
+    assert not cpu_decode.supports_gather(pg.packed, pg.window, torch.float32, pg.fp8)
+    assert not cpu_decode.supports_gather(pg.packed.float(), pg.window.float(), torch.bfloat16)
+    monkeypatch.setattr(cpu_decode, "gather", lambda *a: pytest.fail("the C gather was called"))
+    k, v = kernels.prompt_kv(pg.plan, pg.slot, pg.packed, pg.packed_table[0], pg.window, pg.window_table[0], 40, 39,
+                             pg.keys[0][39:], pg.values[0][39:], torch.float32, pg.k_scale, pg.v_scale, pg.fp8)  # fmt: skip
+    torch.testing.assert_close(k, pg.keys[0]) and torch.testing.assert_close(v, pg.values[0])
+    monkeypatch.undo()
+    fp = random_pages(mask, [40], seed=9, whole_window=True)
+    with pytest.raises(ValueError, match="contiguous K/V"):
+        cpu_decode.gather(fp.packed, fp.packed_table[0], fp.window, fp.window_table[0], 40, fp.slot,
+                          torch.empty(39, 3, 16), torch.empty(39, 3, 16))  # fmt: skip

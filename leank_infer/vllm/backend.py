@@ -137,9 +137,9 @@ class LeanKAttentionMixin:
             table = window_md.block_table[row]
             split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense
             if split > start:
-                kk, vv = request_kv(
+                kk, vv = kernels.prompt_kv(
                     self.plan, slot, packed, md.block_table[row], window, table, split - start + cached, cached,
-                    k[start:split], v[start:split], q.dtype, *scales, whole=True,
+                    k[start:split], v[start:split], q.dtype, *scales,
                 )  # fmt: skip
                 out[start:split] = kernels.dense_prefill(q[start:split], kk, vv, cached, self.scale)
             if end > split:  # generated tokens recomputed after a preemption, or the positional rule

@@ -608,3 +608,46 @@ extern "C" int leank_cpu_write(const WArgs *A) {
         default: return 2;
     }
 }
+
+// A request's tokens [0, n) with every channel, as dense K and V rows [n, HD] of the pages' dtype (what
+// paged_reference.full_rows does in PyTorch with four copies): the dense-prompt rule's prompt chunk reads every
+// earlier prompt token. Element j of a token's K | V row is its packed row's column src[j] when src[j] < width,
+// else its rest row's column src[j] - width (PackedLayout.full_columns). Tokens split over the threads.
+struct GArgs {  // mirrored by _GArgs in cpu_decode.py: keep the order
+    int64_t n, HD, block_size, elem, threads;
+    void *k, *v;
+    const void *packed, *window;
+    int64_t packed_block_stride, packed_row, window_block_stride, window_row;
+    const int32_t *packed_table, *window_table;
+    const int64_t *src;
+    int64_t width;
+};
+
+template <class T>
+static void gather_rows(const GArgs &A) {
+    const int64_t bs = A.block_size, HD = A.HD, W = A.width;
+    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < A.n; t++) {
+        const T *p = (const T *)A.packed + (int64_t)A.packed_table[t / bs] * A.packed_block_stride + (t % bs) * A.packed_row;
+        const T *w = (const T *)A.window + (int64_t)A.window_table[t / bs] * A.window_block_stride + (t % bs) * A.window_row;
+        T *k = (T *)A.k + t * HD, *v = (T *)A.v + t * HD;
+        for (int64_t j = 0; j < HD; j++) {
+            const int64_t s = A.src[j];
+            k[j] = s < W ? p[s] : w[s - W];
+        }
+        for (int64_t j = 0; j < HD; j++) {
+            const int64_t s = A.src[HD + j];
+            v[j] = s < W ? p[s] : w[s - W];
+        }
+    }
+}
+
+extern "C" int leank_cpu_gather(const GArgs *A) {
+    if (A->block_size <= 0 || A->n < 0 || A->HD <= 0 || A->threads < 1) return 2;
+    switch (A->elem) {
+        case 4: gather_rows<uint32_t>(*A); return 0;
+        case 2: gather_rows<uint16_t>(*A); return 0;
+        default: return 2;
+    }
+}

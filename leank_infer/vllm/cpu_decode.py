@@ -13,7 +13,10 @@ binds); the last piece of a request to finish merges the request's softmax state
 cut depends on the lengths only, so the result is the same to the bit at any thread count. Within a piece the
 keys go in tiles of 128 (online softmax, one rescale per tile), the query heads of one KV head together so
 that each key and value row is loaded once for all of them (8-float vectors, scalar tails for any head_dim and
-kept count). Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides
+kept count). A layer's run of a block (:mod:`~leank_infer.vllm.pool`) is a few KB among every layer's runs,
+too short for the hardware prefetcher: while the first KV head scores a tile, the kernel asks for the next
+tile's rows into L2 (without it the middle ran at about a third of the memory bandwidth: 1.0-1.2x vLLM's own
+kernel, against 1.6-2.1x with it, ``benchmarks/vllm_kernel.py``). Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides
 on the query, the V scale on the output); accumulation is fp32.
 
 **Why C++ through ctypes with OpenMP** (``benchmarks/vllm_kernel_build.py`` measures the alternatives; the
@@ -115,11 +118,33 @@ class _WArgs(ctypes.Structure):
     ]
 
 
+class _GArgs(ctypes.Structure):
+    """The gather's ``struct GArgs`` (cpu_decode.cpp), field for field."""
+
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("n", "HD", "block_size", "elem", "threads")],
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),
+        ("window", ctypes.c_void_p),
+        *[
+            (n, ctypes.c_int64)
+            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
+        ],
+        ("packed_table", ctypes.c_void_p),
+        ("window_table", ctypes.c_void_p),
+        ("src", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+    ]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.leank_cpu_decode.restype = ctypes.c_int
     lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
     lib.leank_cpu_write.restype = ctypes.c_int
     lib.leank_cpu_write.argtypes = [ctypes.POINTER(_WArgs)]
+    lib.leank_cpu_gather.restype = ctypes.c_int
+    lib.leank_cpu_gather.argtypes = [ctypes.POINTER(_GArgs)]
 
 
 LIBRARY = NativeLibrary(SOURCE_PATH, "vllm-kernel", ENV_SWITCH, "CPU decode kernel", _declare, log)
@@ -202,6 +227,65 @@ def write(
     a.width = slot.layout.width
     if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU write got bad arguments (packed row {packed.shape[2]} for {slot.layout})")
+
+
+def supports_gather(packed: torch.Tensor, window: torch.Tensor, dtype: torch.dtype, fp8: torch.dtype | None = None) -> bool:
+    """Whether :func:`gather` covers these pages: CPU pages of ``dtype`` itself, 2 or 4 bytes (fp8 pages take the
+    PyTorch gather: they need the scales), rows contiguous in each block."""
+    return (
+        fp8 is None
+        and packed.device.type == "cpu"
+        and window.device.type == "cpu"
+        and packed.dtype == window.dtype == dtype
+        and packed.element_size() in (2, 4)
+        and packed.stride(2) == 1
+        and window.stride(2) == 1
+    )
+
+
+def gather(
+    packed: torch.Tensor,
+    packed_table: torch.Tensor,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    n: int,
+    slot: LayerSlot,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """:func:`leank_infer.vllm.paged_reference.full_rows` of a request's tokens ``[0, n)`` in one call, into ``k`` and
+    ``v`` (``[>= n, Hkv, D]`` contiguous, the pages' dtype): every token's packed row and rest row put together
+    (its window block must be real, as every prompt block is under the dense-prompt rule while it is computed)."""
+    if not available():
+        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
+    if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == packed.dtype and k.shape[0] >= n):
+        raise ValueError(f"gather needs contiguous K/V of {packed.dtype} with {n} rows, got {k.dtype} {tuple(k.shape)}")
+    item = packed.element_size()
+    src = _gather_columns(slot)
+    ptable, wtable = _table(packed_table), _table(window_table)
+    a = _GArgs()
+    a.n, a.HD, a.block_size, a.elem = n, k.shape[1] * k.shape[2], packed.shape[1], item
+    a.threads = torch.get_num_threads()
+    a.k, a.v = k.data_ptr(), v.data_ptr()
+    a.packed = packed.data_ptr() + slot.packed_offset * item
+    a.window = window.data_ptr() + slot.window_offset * item
+    a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
+    a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
+    a.packed_table, a.window_table = ptable.data_ptr(), wtable.data_ptr()
+    a.src, a.width = src.data_ptr(), slot.layout.width
+    if LIBRARY.lib.leank_cpu_gather(ctypes.byref(a)):
+        raise RuntimeError(f"the LeanK CPU gather got bad arguments ({n} tokens for {slot.layout})")
+
+
+_gather_cache: dict[int, tuple[LayerSlot, torch.Tensor]] = {}
+
+
+def _gather_columns(slot: LayerSlot) -> torch.Tensor:
+    hit = _gather_cache.get(id(slot))
+    if hit is None or hit[0] is not slot:
+        hit = (slot, slot.layout.full_columns.to("cpu", torch.int64).contiguous())
+        _gather_cache[id(slot)] = hit
+    return hit[1]
 
 
 def _slots(t: torch.Tensor) -> torch.Tensor:

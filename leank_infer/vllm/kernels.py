@@ -88,6 +88,39 @@ def prefill(
     return out[0]
 
 
+def prompt_kv(
+    plan: WorkerPlan,
+    slot: LayerSlot,
+    packed: torch.Tensor,
+    packed_table: torch.Tensor,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    length: int,
+    first_query: int,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K/V ``[length, Hkv, D]`` of a prompt chunk's request under the dense-prompt rule (every earlier token
+    with every channel, then the chunk's own): :func:`~leank_infer.vllm.paged_reference.request_kv` with
+    ``whole=True``, its gather of the earlier tokens in one pass of the CPU library where it covers the pages
+    (:func:`~leank_infer.vllm.cpu_decode.gather`; PyTorch's takes four copies)."""
+    if first_query and cpu_decode.supports_gather(packed, window, dtype, fp8) and cpu_decode.available():
+        k = torch.empty(length, plan.num_kv_heads, plan.head_dim, dtype=dtype)
+        v = torch.empty_like(k)
+        cpu_decode.gather(packed, packed_table, window, window_table, first_query, slot, k, v)
+        k[first_query:] = new_k.to(dtype)
+        v[first_query:] = new_v.to(dtype)
+        return k, v
+    return request_kv(
+        plan, slot, packed, packed_table, window, window_table, length, first_query, new_k, new_v, dtype,
+        k_scale, v_scale, fp8, whole=True,
+    )  # fmt: skip
+
+
 def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query: int, scale: float,
                   q_chunk: int = 1024) -> torch.Tensor:
     """The model's own causal attention ``[n, Hq, D]`` of prompt queries at positions ``first_query + i`` over
