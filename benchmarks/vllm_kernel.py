@@ -1,7 +1,7 @@
 """LeanK's CPU decode kernel against vLLM's own CPU attention kernel: one decode step's 30 layer calls, side by side.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_kernel.py [--batches 1,4,16,64] [--contexts 2048,8192]
-        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3]
+        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000]
 
 The equal-work comparison: the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), every
 request at the same context, the same batch and the same threads (``torch.set_num_threads``), one decode step =
@@ -15,6 +15,9 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
 - **LeanK**: :func:`leank_infer.vllm.cpu_decode.decode` over the pages as the plugin lays them out
   (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
   the window pages of the sink and the window; shuffled blocks), each layer through its own views.
+
+- **prompt gather** (``--gather N``): the dense K/V a prompt chunk after ``N`` prompt tokens reads under the
+  dense-prompt rule, every layer, PyTorch's gather against the library's (:func:`leank_infer.vllm.kernels.prompt_kv`).
 
 Each figure is the median time of a whole step (the two alternating, so that a loaded machine disturbs them
 alike), in milliseconds: CPU time of the calling thread on one thread (where every kernel runs), wall time on
@@ -114,6 +117,35 @@ def leank_pages(plan, batch: int, context: int, g: torch.Generator, bs: int = 16
     return packed, table, window, wtable
 
 
+def gather_times(plan, layers: list[int], n: int, g: torch.Generator) -> tuple[float, float]:  # noqa: ANN001
+    """Milliseconds (median, calling thread's CPU time on one thread) of one request's dense K/V for a prompt chunk
+    after ``n`` prompt tokens, every layer: PyTorch's gather, then the library's, alternating."""
+    from leank_infer.vllm import kernels
+    from leank_infer.vllm.paged_reference import request_kv
+
+    torch.set_num_threads(1)
+    packed, table, _, _ = leank_pages(plan, 1, n + 16, g)
+    window = torch.randn(packed.shape[0], 1, packed.shape[2], plan.window_row, generator=g)  # every block real
+    new = torch.randn(16, plan.num_kv_heads, plan.head_dim, generator=g)
+    calls = [(s.in_view(), s.packed_view(packed), s.window_view(window)) for s in (plan.slots[i] for i in layers)]
+    args = lambda c: (plan, c[0], c[1], table[0], c[2], table[0], n + 16, n, new, new, torch.float32)  # noqa: E731
+    sides = {
+        "torch": lambda: [request_kv(*args(c), whole=True) for c in calls],
+        "library": lambda: [kernels.prompt_kv(*args(c)) for c in calls],
+    }
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(7):
+        for k, fn in sides.items():
+            t = clock()
+            fn()
+            times[k].append(1e3 * (clock() - t))
+    out = (statistics.median(times["torch"]), statistics.median(times["library"]))
+    print(f"prompt gather of {n} tokens, {len(layers)} layers: PyTorch {out[0]:.1f} ms, library {out[1]:.1f} ms")
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_kernel.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
@@ -123,6 +155,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--block-size", type=int, default=16, help="LeanK's page size (vLLM's stays 128)")
     p.add_argument("--memory-gb", type=float, default=3.0, help="the most each side's pages may take")
     p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
+    p.add_argument("--gather", type=int, default=3000,
+                   help="also time a prompt chunk's gather of this many earlier tokens over every layer (0: no)")
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-kernel.json")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
@@ -197,6 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     flush=True,
                 )
             del vcalls, packed, window, leank
+    gathered = gather_times(plan, layers, args.gather, g) if args.gather else None
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa'] if rows else '?'}")
     lines = [
         f"One decode step (30 layer calls), mask {Path(args.mask).name}, fp32, milliseconds: CPU time of the thread "
@@ -210,6 +245,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for r in rows
         ),
     ]
+    if gathered:
+        lines += [
+            "",
+            f"A prompt chunk's gather of {args.gather:,} earlier prompt tokens with every channel (the dense-prompt "
+            f"rule), all {len(layers)} layers, one thread: PyTorch (`paged_reference.request_kv(..., whole=True)`) "
+            f"{gathered[0]:.1f} ms, the kernel's library (`kernels.prompt_kv`) {gathered[1]:.1f} ms.",
+        ]
     if args.save:
         import results
 

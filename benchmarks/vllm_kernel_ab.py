@@ -3,7 +3,7 @@ against this checkout's (B), alternating step by step, and whether they give the
 
 One decode step is one :func:`leank_infer.vllm.cpu_decode.decode` call per layer of the mask, over the pages of
 benchmarks/vllm_kernel.py (shuffled blocks of 16 tokens, every request at the same context). The C ABI must be the
-same in both sources (the Python side is this checkout's). Figures: the median over 15 steps of the calling
+same in both sources for ``leank_cpu_decode``, the one function compared (the Python side is this checkout's). Figures: the median over 15 steps of the calling
 thread's CPU time on one thread (robust on a shared machine), wall time on more.
 
     git show HEAD~1:leank_infer/vllm/cpu_decode.cpp > /tmp/base.cpp
@@ -29,6 +29,12 @@ from leank_infer.vllm import cpu_decode
 from leank_infer.vllm.pool import WorkerPlan
 
 
+def declare_decode(lib: ctypes.CDLL) -> None:
+    """The one function compared (an older source may lack the library's later functions)."""
+    lib.leank_cpu_decode.restype = ctypes.c_int
+    lib.leank_cpu_decode.argtypes = [ctypes.POINTER(cpu_decode._Args)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("base", help="the other cpu_decode.cpp (A)")
@@ -40,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     other = NativeLibrary(Path(a.base), "vllm-kernel", cpu_decode.ENV_SWITCH, "CPU decode kernel (A)",
-                          cpu_decode._declare, logging.getLogger(__name__))
+                          declare_decode, logging.getLogger(__name__))
     lib_a = ctypes.CDLL(str(other.build()))
-    cpu_decode._declare(lib_a)
+    declare_decode(lib_a)
     if not cpu_decode.available():
         raise SystemExit("this checkout's CPU decode kernel is not available (no C++ compiler?)")
     lib_b = cpu_decode.LIBRARY.lib

@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py [--mask hub/smollm2-135m-instruct-s3] [--rule dense-prompt]
         [--contexts 2048 8192] [--batches 1 4 16] [--threads 1 2] [--steps 8] [--repeats 1] [--cap-gib 4]
-        [--json out.json] [--save]
+        [--phases equal max] [--json out.json] [--save]
 
 The embedded SmolLM2-135M-Instruct (the de-quantised copy in ``~/.cache/leank``, offline), fp32, vLLM's
 defaults otherwise; every engine in a fresh process with ``OMP_NUM_THREADS`` threads (unbound:
@@ -14,7 +14,7 @@ context C and thread count, for each side:
   C - 4 * steps - 12 tokens are prefilled (not timed) and ``--steps`` pure decode steps are timed;
   ``--repeats`` fresh engines per side, plain and LeanK alternating, each row the fastest of its side's
   (one engine process and the next decode up to ~1.4x apart on the same machine: see :func:`best_of`);
-- **max concurrency**: a 1 GiB pool; more requests than it holds are submitted and the pure decode steps of
+- **max concurrency** (``--phases max``; both phases by default): a 1 GiB pool; more requests than it holds are submitted and the pure decode steps of
   whatever vLLM runs at once are timed (the rest wait).
 
 A pure decode step is one whose running requests are all past their prompts and that admits no request:
@@ -144,9 +144,11 @@ def _tries(plain: dict, leank: dict) -> str:
     return " / ".join(", ".join(f"{x:.1f}" for x in side["tries"]) for side in (plain, leank))
 
 
-def result_name(threads: int) -> str:
-    """The docs' table of one thread count: ``docs/results/vllm-throughput-<N>-thread(s).json``."""
-    return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}"
+def result_name(threads: int, phases: list[str] | tuple[str, ...] = ("equal", "max")) -> str:
+    """The docs' table of one thread count: ``docs/results/vllm-throughput-<N>-thread(s).json``, with ``-equal`` or
+    ``-max`` before ``.json`` for a run of one phase (so that it replaces no table of both)."""
+    one = "" if set(phases) == {"equal", "max"} else f"-{phases[0]}"
+    return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}{one}"
 
 
 def table(rows: list[dict], mask: str, threads: int, repeats: int = 1) -> str:
@@ -187,6 +189,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="fresh engines per side at equal batches (alternating sides); each row is the fastest")
     p.add_argument("--cap-gib", type=float, default=4.0, help="largest KV pool of an equal-batch engine")
+    p.add_argument("--phases", nargs="+", default=["equal", "max"], choices=["equal", "max"],
+                   help="equal batches, maximum concurrency, or both; a table without both saves as its own result")
     p.add_argument("--json", type=Path)
     p.add_argument("--save", action="store_true",
                    help="write each thread count's table to docs/results/vllm-throughput-<N>-thread(s).json")
@@ -203,19 +207,19 @@ def main() -> None:
             fits = [b for b in args.batches if b * (context + 64) * DENSE_TOKEN_BYTES <= args.cap_gib * 2**30]
             kv = int(max(fits) * (context + 64) * DENSE_TOKEN_BYTES * 1.1) if fits else 0
             tries = []  # equal batches: --repeats fresh engines per side, the sides alternating
-            for _ in range(args.repeats if fits else 0):
+            for _ in range(args.repeats if fits and "equal" in args.phases else 0):
                 for mask in ("", args.mask):
                     tries += run(args, mask, context, threads, "equal", fits, kv)
                     print(tries[-1], flush=True)
             rows += best_of(tries)
-            for mask in ("", args.mask):
+            for mask in ("", args.mask) if "max" in args.phases else ():
                 rows += run(args, mask, context, threads, "max", [], 2**30)
                 print(rows[-1], flush=True)
     tables = {t: table(rows, args.mask, t, args.repeats) for t in args.threads}
     print("\n" + "\n\n".join(tables.values()))
     if args.save:  # one table per thread count, so that a rerun of one thread count replaces only its own
         for t, text in tables.items():
-            print(f"saved {results.save(result_name(t), text)}")
+            print(f"saved {results.save(result_name(t, args.phases), text)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

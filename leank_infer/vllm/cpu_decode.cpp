@@ -291,7 +291,7 @@ static void keys(const Args &A, const typename L::T *base, int64_t block_stride,
         if (t0 == a) prefetch_rows(rows, nt, span);
         // the next tile's rows, asked for while the first head scores this one (a row per key): a block's run of
         // the layer is a few KB in a page of every layer's runs, too short for the hardware prefetcher to follow;
-        // without this the middle ran at a third of the memory bandwidth (1.3-2.3x slower steps)
+        // without this a step took 2.0-2.2x as long (benchmarks/vllm_kernel_ab.py)
         const char **pf = (const char **)S.rows2;
         const int64_t npf = e - t0 - TILE < TILE ? (e - t0 - TILE > 0 ? e - t0 - TILE : 0) : TILE;
         for (int64_t t = 0; t < npf; t++) {

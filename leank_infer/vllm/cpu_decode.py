@@ -15,8 +15,8 @@ keys go in tiles of 128 (online softmax, one rescale per tile), the query heads 
 that each key and value row is loaded once for all of them (8-float vectors, scalar tails for any head_dim and
 kept count). A layer's run of a block (:mod:`~leank_infer.vllm.pool`) is a few KB among every layer's runs,
 too short for the hardware prefetcher: while the first KV head scores a tile, the kernel asks for the next
-tile's rows into L2 (without it the middle ran at about a third of the memory bandwidth: 1.0-1.2x vLLM's own
-kernel, against 1.6-2.1x with it, ``benchmarks/vllm_kernel.py``). Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides
+tile's rows into L2 (without it a step took 2.0-2.2x as long: ``benchmarks/vllm_kernel_ab.py``, the A/B in
+docs/architecture.md). Storage is fp32, bf16, fp16 or fp8 bytes (e4m3/e5m2 through a 256-entry table; the K scale rides
 on the query, the V scale on the output); accumulation is fp32.
 
 **Why C++ through ctypes with OpenMP** (``benchmarks/vllm_kernel_build.py`` measures the alternatives; the
