@@ -49,9 +49,10 @@ def main() -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm_capacity import model_dir
+    from vllm_throughput import DENSE_TOKEN_BYTES
 
     extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
-    kv = int(max(4, args.batch) * (args.context + 64) * 2 * 30 * 3 * 64 * 4 * 1.1)  # dense fp32 rows, some room
+    kv = int(max(4, args.batch) * (args.context + 64) * DENSE_TOKEN_BYTES * 1.1)  # plain's rows, some room
     llm = LLM(model=model_dir(), dtype="float32", max_model_len=args.context, max_num_seqs=64,
               kv_cache_memory_bytes=kv, **extra)  # fmt: skip
     engine = llm.llm_engine

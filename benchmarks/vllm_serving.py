@@ -111,15 +111,17 @@ def child(args: argparse.Namespace) -> None:
 def best_of(tries: list[dict]) -> list[dict]:
     """One row per (workload, engine), in first-seen order: its try with the shortest wall time (prefix) or median
     time to first token (ttft), with every try's figure in ``tries``."""
+    def figure(r: dict) -> float:
+        return r["wall_s"] if r["workload"] == "prefix" else r["ttft_median_s"]
+
     out: dict[tuple, dict] = {}
     for r in tries:
-        figure = r["wall_s"] if r["workload"] == "prefix" else r["ttft_median_s"]
         key = (r["workload"], r["engine"])
         best = out.get(key)
         seen = (best or {}).get("tries", [])
-        if best is None or figure < (best["wall_s"] if r["workload"] == "prefix" else best["ttft_median_s"]):
+        if best is None or figure(r) < figure(best):
             out[key] = {**r, "tries": seen}
-        out[key]["tries"] = [*seen, round(figure, 2)]
+        out[key]["tries"] = [*seen, round(figure(r), 2)]
     return list(out.values())
 
 

@@ -293,7 +293,7 @@ static void keys(const Args &A, const typename L::T *base, int64_t block_stride,
         // the layer is a few KB in a page of every layer's runs, too short for the hardware prefetcher to follow;
         // without this a step took 2.0-2.2x as long (benchmarks/vllm_kernel_ab.py)
         const char **pf = (const char **)S.rows2;
-        const int64_t npf = e - t0 - TILE < TILE ? (e - t0 - TILE > 0 ? e - t0 - TILE : 0) : TILE;
+        const int64_t left = e - t0 - nt, npf = left < TILE ? left : TILE;  // the next tile's keys
         for (int64_t t = 0; t < npf; t++) {
             const int64_t pos = t0 + TILE + t;
             pf[t] = (const char *)(base + (int64_t)table[pos / bs] * block_stride + (pos % bs) * row);

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +58,14 @@ _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8:
 _Q_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+# the fields every struct of the library has, in this order: the two stores' pages and their strides
+_PAGES = [
+    ("packed", ctypes.c_void_p),
+    ("window", ctypes.c_void_p),
+    *[(n, ctypes.c_int64) for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")],
+]
+
+
 class _Args(ctypes.Structure):
     """The kernel's ``struct Args`` (cpu_decode.cpp), field for field."""
 
@@ -63,12 +73,7 @@ class _Args(ctypes.Structure):
         *[(n, ctypes.c_int64) for n in ("B", "Hq", "Hkv", "D", "block_size")],
         ("q", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
-        ("packed", ctypes.c_void_p),
-        ("window", ctypes.c_void_p),
-        *[
-            (n, ctypes.c_int64)
-            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
-        ],
+        *_PAGES,
         ("packed_table", ctypes.c_void_p),
         ("window_table", ctypes.c_void_p),
         ("packed_table_stride", ctypes.c_int64),
@@ -101,12 +106,7 @@ class _WArgs(ctypes.Structure):
         ("v", ctypes.c_void_p),
         ("k_stride", ctypes.c_int64),
         ("v_stride", ctypes.c_int64),
-        ("packed", ctypes.c_void_p),
-        ("window", ctypes.c_void_p),
-        *[
-            (n, ctypes.c_int64)
-            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
-        ],
+        *_PAGES,
         ("packed_slots", ctypes.c_void_p),
         ("window_slots", ctypes.c_void_p),
         ("k_index", ctypes.c_void_p),
@@ -125,12 +125,7 @@ class _GArgs(ctypes.Structure):
         *[(n, ctypes.c_int64) for n in ("n", "HD", "block_size", "elem", "threads")],
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
-        ("packed", ctypes.c_void_p),
-        ("window", ctypes.c_void_p),
-        *[
-            (n, ctypes.c_int64)
-            for n in ("packed_block_stride", "packed_row", "window_block_stride", "window_row")
-        ],
+        *_PAGES,
         ("packed_table", ctypes.c_void_p),
         ("window_table", ctypes.c_void_p),
         ("src", ctypes.c_void_p),
@@ -218,23 +213,18 @@ def write(
     ps, ws = _slots(packed_slots), _slots(window_slots)
     a.n, a.HD, a.block_size, a.elem = k.shape[0], k.shape[1] * k.shape[2], packed.shape[1], k.element_size()
     a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
-    item = packed.element_size()  # the layer's columns start at its offsets into the rows
-    a.packed = packed.data_ptr() + slot.packed_offset * item
-    a.window = window.data_ptr() + slot.window_offset * item
-    a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
-    a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
+    _set_pages(a, packed, window, slot)
     a.packed_slots, a.window_slots = ps.data_ptr(), ws.data_ptr()
     a.width = slot.layout.width
     if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU write got bad arguments (packed row {packed.shape[2]} for {slot.layout})")
 
 
-def supports_gather(packed: torch.Tensor, window: torch.Tensor, dtype: torch.dtype, fp8: torch.dtype | None = None) -> bool:
-    """Whether :func:`gather` covers these pages: CPU pages of ``dtype`` itself, 2 or 4 bytes (fp8 pages take the
-    PyTorch gather: they need the scales), rows contiguous in each block."""
+def supports_gather(packed: torch.Tensor, window: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`gather` covers these pages: CPU pages of ``dtype`` itself, 2 or 4 bytes (fp8 pages, bytes, take
+    the PyTorch gather: they need the scales), rows contiguous in each block."""
     return (
-        fp8 is None
-        and packed.device.type == "cpu"
+        packed.device.type == "cpu"
         and window.device.type == "cpu"
         and packed.dtype == window.dtype == dtype
         and packed.element_size() in (2, 4)
@@ -260,46 +250,53 @@ def gather(
         raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
     if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == packed.dtype and k.shape[0] >= n):
         raise ValueError(f"gather needs contiguous K/V of {packed.dtype} with {n} rows, got {k.dtype} {tuple(k.shape)}")
-    item = packed.element_size()
-    src = _gather_columns(slot)
+    src = _per_slot(_gather_cache, slot, lambda s: s.layout.full_columns.to("cpu", torch.int64).contiguous())
     ptable, wtable = _table(packed_table), _table(window_table)
     a = _GArgs()
-    a.n, a.HD, a.block_size, a.elem = n, k.shape[1] * k.shape[2], packed.shape[1], item
+    a.n, a.HD, a.block_size, a.elem = n, k.shape[1] * k.shape[2], packed.shape[1], packed.element_size()
     a.threads = torch.get_num_threads()
     a.k, a.v = k.data_ptr(), v.data_ptr()
-    a.packed = packed.data_ptr() + slot.packed_offset * item
-    a.window = window.data_ptr() + slot.window_offset * item
-    a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
-    a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
+    _set_pages(a, packed, window, slot)
     a.packed_table, a.window_table = ptable.data_ptr(), wtable.data_ptr()
     a.src, a.width = src.data_ptr(), slot.layout.width
     if LIBRARY.lib.leank_cpu_gather(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU gather got bad arguments ({n} tokens for {slot.layout})")
 
 
-_gather_cache: dict[int, tuple[LayerSlot, torch.Tensor]] = {}
+def _set_pages(a: _WArgs | _GArgs, packed: torch.Tensor, window: torch.Tensor, slot: LayerSlot) -> None:
+    """The pages' fields of the write's or the gather's arguments: this layer's columns start at its offsets into
+    the rows (``slot``'s), rows ``stride(1)`` elements apart."""
+    item = packed.element_size()
+    a.packed = packed.data_ptr() + slot.packed_offset * item
+    a.window = window.data_ptr() + slot.window_offset * item
+    a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
+    a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
 
 
-def _gather_columns(slot: LayerSlot) -> torch.Tensor:
-    hit = _gather_cache.get(id(slot))
+def _per_slot(cache: dict[int, tuple[LayerSlot, Any]], slot: LayerSlot, build: Callable[[LayerSlot], Any]) -> Any:
+    """``build(slot)``, once per layer slot (keyed by ``id``; a reused id of a slot that is gone builds anew)."""
+    hit = cache.get(id(slot))
     if hit is None or hit[0] is not slot:
-        hit = (slot, slot.layout.full_columns.to("cpu", torch.int64).contiguous())
-        _gather_cache[id(slot)] = hit
+        hit = cache[id(slot)] = (slot, build(slot))
     return hit[1]
+
+
+_gather_cache: dict[int, tuple[LayerSlot, torch.Tensor]] = {}
 
 
 def _slots(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
-_write_cache: dict[int, tuple[LayerSlot, _WArgs, tuple[torch.Tensor, ...]]] = {}
+_write_cache: dict[int, tuple[LayerSlot, tuple[_WArgs, tuple[torch.Tensor, ...]]]] = {}
 
 
 def _write_layout(slot: LayerSlot) -> tuple[_WArgs, tuple[torch.Tensor, ...]]:
     """The write's constant part for one layer: its kept K columns and V columns (built once)."""
-    hit = _write_cache.get(id(slot))
-    if hit is not None and hit[0] is slot:
-        return hit[1], hit[2]
+    return _per_slot(_write_cache, slot, _build_write_layout)
+
+
+def _build_write_layout(slot: LayerSlot) -> tuple[_WArgs, tuple[torch.Tensor, ...]]:
     k_index, v_index, kr_index, vr_index = (
         x.to("cpu", torch.int64).contiguous()
         for x in (slot.layout.k_index, slot.layout.v_index, slot.layout.kr_index, slot.layout.vr_index)
@@ -310,11 +307,10 @@ def _write_layout(slot: LayerSlot) -> tuple[_WArgs, tuple[torch.Tensor, ...]]:
     a.nk, a.nv = k_index.numel(), v_index.numel()
     a.kr_index, a.vr_index = kr_index.data_ptr(), vr_index.data_ptr()
     a.nkr, a.nvr = kr_index.numel(), vr_index.numel()
-    _write_cache[id(slot)] = (slot, a, keep)
     return a, keep
 
 
-_layer_cache: dict[int, tuple[LayerSlot, _Args, tuple[torch.Tensor, ...]]] = {}
+_layer_cache: dict[int, tuple[LayerSlot, tuple[_Args, tuple[torch.Tensor, ...]]]] = {}
 _luts: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -326,9 +322,10 @@ def _lut(fp8: torch.dtype) -> torch.Tensor:
 
 def _layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor, ...]]:
     """The call's constant part for one layer (built once: the kept columns of each head and the rule's sizes)."""
-    hit = _layer_cache.get(id(slot))
-    if hit is not None and hit[0] is slot:
-        return hit[1], hit[2]
+    return _per_slot(_layer_cache, slot, lambda s: _build_layer(plan, s))
+
+
+def _build_layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor, ...]]:
     layout, d, hkv = slot.layout, plan.head_dim, plan.num_kv_heads
     heads = layout.k_index // d
     k_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(heads, minlength=hkv).cumsum(0)])
@@ -353,7 +350,6 @@ def _layer(plan: WorkerPlan, slot: LayerSlot) -> tuple[_Args, tuple[torch.Tensor
     a.sink, a.recent, a.accumu = plan.sink, plan.recent, plan.accumu
     a.split = SPLIT
     keep = (k_off, k_ch, v_col, rk_off, rk_ch, rv_col)
-    _layer_cache[id(slot)] = (slot, a, keep)
     return a, keep
 
 

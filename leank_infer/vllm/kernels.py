@@ -108,7 +108,7 @@ def prompt_kv(
     with every channel, then the chunk's own): :func:`~leank_infer.vllm.paged_reference.request_kv` with
     ``whole=True``, its gather of the earlier tokens in one pass of the CPU library where it covers the pages
     (:func:`~leank_infer.vllm.cpu_decode.gather`; PyTorch's takes four copies)."""
-    if first_query and cpu_decode.supports_gather(packed, window, dtype, fp8) and cpu_decode.available():
+    if first_query and cpu_decode.supports_gather(packed, window, dtype) and cpu_decode.available():
         k = torch.empty(length, plan.num_kv_heads, plan.head_dim, dtype=dtype)
         v = torch.empty_like(k)
         cpu_decode.gather(packed, packed_table, window, window_table, first_query, slot, k, v)
