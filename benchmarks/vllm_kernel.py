@@ -12,7 +12,8 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
   scheduler metadata built as its metadata builder does, once per step and not timed, with its ISA choice and its
   default split-KV), over dense pages in shuffled blocks of 128 tokens (vLLM's CPU default), one cache per layer
   (cycled over as many copies as ``--memory-gb`` allows).
-- **LeanK**: :func:`leank_infer.vllm.cpu_decode.decode` over the pages as the plugin lays them out
+- **LeanK**: :meth:`leank_infer.vllm.cpu_decode.LayerKernel.decode`, each layer's call bound once as the engine's
+  backend binds it, over the pages as the plugin lays them out
   (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
   the window pages of the sink and the window; shuffled blocks), each layer through its own views.
 
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             q = torch.randn(batch, HQ, d, generator=g)
             seq = torch.full((batch,), context, dtype=torch.int32)
             packed, table, window, wtable = leank_pages(plan, batch, context, g, args.block_size)
-            leank = [
-                (q, s.packed_view(packed), table, s.window_view(window), wtable, seq, plan, s.in_view(), d**-0.5)
+            leank = [  # each layer's calls bound once, as the engine's backend binds them
+                cpu_decode.LayerKernel(s.in_view(), s.packed_view(packed), s.window_view(window), plan, d**-0.5)
                 for s in (plan.slots[i] for i in layers)
             ]
 
@@ -201,13 +202,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for j in range(len(layers)):
                     vcalls[j % len(vcalls)][0]()
 
-            def leank_step(calls) -> None:  # noqa: ANN001
-                for a in calls:
-                    cpu_decode.decode(*a)
+            def leank_step(calls, inputs) -> None:  # noqa: ANN001
+                for layer in calls:
+                    layer.decode(*inputs)
 
             for threads in [int(x) for x in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                steps = {"vllm": vllm_step, "leank": lambda c=leank: leank_step(c)}
+                steps = {"vllm": vllm_step, "leank": lambda c=leank, i=(q, table, wtable, seq): leank_step(c, i)}
                 times: dict[str, list[float]] = {k: [] for k in steps}
                 for k in steps.values():
                     k()  # warm-up (and vLLM's scheduler metadata for this thread count)

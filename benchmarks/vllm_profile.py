@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-profile.json")
+    p.add_argument("--dump", help="also write each side's profile (pstats) to DUMP-plain.prof / DUMP-leank.prof")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.child:
@@ -74,6 +75,8 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     prof.disable()
+    if args.dump:
+        prof.dump_stats(f"{args.dump}-{'leank' if args.mask else 'plain'}.prof")
     stats = pstats.Stats(prof)
 
     def cum_ms(name: str, file_part: str = "") -> float:
@@ -94,7 +97,8 @@ def parent(args: argparse.Namespace) -> None:
     rows = []
     for mask in ("", args.mask):
         cmd = [sys.executable, __file__, "--child", "--mask", mask, "--batch", str(args.batch), "--context",
-               str(args.context), "--threads", str(args.threads), "--steps", str(args.steps), "--top", str(args.top)]  # fmt: skip
+               str(args.context), "--threads", str(args.threads), "--steps", str(args.steps), "--top", str(args.top),
+               *(["--dump", args.dump] if args.dump else [])]  # fmt: skip
         run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
         if run.returncode or not line:

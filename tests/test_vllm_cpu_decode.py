@@ -379,3 +379,62 @@ def test_the_prompt_gather_leaves_fp8_and_odd_pages_to_pytorch(monkeypatch):
     with pytest.raises(ValueError, match="contiguous K/V"):
         cpu_decode.gather(fp.packed, fp.packed_table[0], fp.window, fp.window_table[0], 40, fp.slot,
                           torch.empty(39, 3, 16), torch.empty(39, 3, 16))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "e4m3")], ids=["fp32", "bf16", "fp8"]
+)
+def test_a_bound_layer_decodes_as_the_per_call_kernel(dtype, fp8, monkeypatch):
+    """kernels.BoundLayer (the backend's per-layer calls, arguments set once) gives the per-call kernel's result to
+    the bit: from tables and lengths with more rows than queries (vLLM's, unsliced), into a given output (fp32:
+    written in place; bf16: copied) or a new tensor; with the kernel switched off it takes the PyTorch path."""
+    mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
+    pg = random_pages(mask, LENGTHS, q_heads=9, dtype=dtype, fp8=fp8, seed=2)
+    want = run(pg, threads=2)
+    torch.set_num_threads(2)
+    bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, pg.q.dtype, 0.125, pg.k_scale, pg.v_scale,
+                               pg.fp8)  # fmt: skip
+    assert bound.cpu is not None and bound.cpu_write == (fp8 is None)
+    more = lambda t, fill: torch.cat([t, torch.full_like(t[:1], fill)])  # noqa: E731 - a row no query reads
+    tables = (more(pg.packed_table, 0), more(pg.window_table, 0), more(pg.seq_lens, 1))
+    assert torch.equal(bound.decode(pg.q, *tables), want)
+    out = torch.full((len(LENGTHS) + 2, 9, 64), float("nan"), dtype=dtype)
+    got = bound.decode(pg.q, *tables, out[1:-1])
+    assert got.data_ptr() == out[1:-1].data_ptr() and torch.equal(out[1:-1], want)
+    assert out[0].isnan().all() and out[-1].isnan().all()
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_decode.LayerKernel, "decode", lambda *a: pytest.fail("the kernel was called"))
+    check(pg, bound.decode(pg.q, *tables), TOL[dtype])
+
+
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_a_bound_layer_writes_as_the_per_call_write(fp8, monkeypatch):
+    """BoundLayer.write puts the bytes kernels.write puts: the library's write for fp32 pages (contiguous K/V and a
+    fused QKV's strided rows), the PyTorch write for fp8 pages, for rows split within a token, and with the kernel
+    switched off."""
+    mask = random_mask(2, 3, 16, [5, 0, 16], seed=6, align=16)
+    from leank_infer.vllm.pool import WorkerPlan
+
+    plan = WorkerPlan.build(mask, [0, 1], block_size=16)
+    slot = plan.slots[1]
+    store = torch.float32 if fp8 is None else torch.uint8
+    packed, window = torch.zeros(6, 16, plan.packed_row, dtype=store), torch.zeros(6, 16, plan.window_row, dtype=store)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 8 * 16, generator=g)
+    fused = (qkv[:, 32:80].view(5, 3, 16), qkv[:, 80:].view(5, 3, 16))
+    split = tuple(torch.randn(5, 16, 3, generator=g).transpose(1, 2) for _ in range(2))  # a token's rows apart
+    slots = (torch.tensor([17, -1, 40, 3, 95]), torch.tensor([20, -1, 5, 0, 90]))
+    bound = kernels.BoundLayer(plan, slot, packed, window, torch.float32, 0.25, 0.5, 2.0, fp8)
+    for k, v in (fused, (split[0], fused[1]), (fused[0], split[1])):
+        for switch in ("1", "0"):
+            monkeypatch.setenv(cpu_decode.ENV_SWITCH, switch)
+            want_p, want_w = packed.clone(), window.clone()
+            kernels.write(want_p, *slots[:1], want_w, *slots[1:], k, v, slot, 0.5, 2.0, fp8)
+            calls: list[int] = []
+            real = cpu_decode.LayerKernel.write
+            monkeypatch.setattr(cpu_decode.LayerKernel, "write", lambda *a, c=calls, r=real: c.append(1) or r(*a))
+            packed.zero_(), window.zero_()
+            bound.write(*slots, k, v)
+            assert torch.equal(packed, want_p) and torch.equal(window, want_w) and packed.any()
+            assert bool(calls) == (fp8 is None and switch == "1" and k is fused[0] and v is fused[1])
+            monkeypatch.setattr(cpu_decode.LayerKernel, "write", real)

@@ -58,6 +58,8 @@ class LeanKAttentionMixin:
         self.window_name: str | None = None
         self.fp8: torch.dtype | None = None
         self.dense_prompt = False
+        self._bound: kernels.BoundLayer | None = None
+        self._bound_key: tuple | None = None
         config = get_current_vllm_config()
         self.vllm_config = config
         self.windowed = False  # a sliding-window layer of a LeanK model: vLLM's own attention and KV spec
@@ -88,6 +90,19 @@ class LeanKAttentionMixin:
             plan_worker(self.vllm_config, self.mask, self.dense_prompt)
 
     # ---- attention ------------------------------------------------------------------------------
+    def _bind(self, layer: Any, kv_cache: torch.Tensor, dtype: torch.dtype) -> kernels.BoundLayer:
+        """This layer's write and decode over its views of the pages (bound at its first step; again only if
+        vLLM hands it other pages, the dtype changes or the fp8 scales are computed)."""
+        window_cache = self.window_store.kv_cache
+        key = (kv_cache.data_ptr(), window_cache.data_ptr(), dtype, layer._k_scale_float, layer._v_scale_float)
+        if self._bound_key != key:
+            self._bound = kernels.BoundLayer(
+                self.plan, self.view_slot, self.slot.packed_view(kv_cache), self.slot.window_view(window_cache),
+                dtype, self.scale, layer._k_scale_float, layer._v_scale_float, self.fp8,
+            )  # fmt: skip
+            self._bound_key = key
+        return self._bound
+
     def forward(
         self,
         layer: Any,
@@ -116,23 +131,16 @@ class LeanKAttentionMixin:
         k = key[:n].view(n, hkv, d)
         v = value[:n].view(n, hkv, d)
         out = output[:n].view(n, hq, d)
-        # this layer's runs of the pages: [num_blocks, block_size, columns], read with the view's slot
-        packed = self.slot.packed_view(kv_cache)
-        window = self.slot.window_view(self.window_store.kv_cache)
-        slot, scales = self.view_slot, (layer._k_scale_float, layer._v_scale_float, self.fp8)
-        kernels.write(packed, md.slot_mapping, window, window_md.slot_mapping, k, v, slot, *scales)
+        bound = self._bind(layer, kv_cache, q.dtype)
+        bound.write(md.slot_mapping, window_md.slot_mapping, k, v)
         nd = md.num_decodes
         if md.multi is not None:  # the decodes and a few generated queries of other requests, one row each
             tokens, rows, keys = md.multi
-            out[tokens] = kernels.decode(
-                q[tokens], packed, md.block_table[rows], window, window_md.block_table[rows], keys,
-                self.plan, slot, self.scale, *scales,
-            )  # fmt: skip
+            out[tokens] = bound.decode(q[tokens], md.block_table[rows], window_md.block_table[rows], keys)
         elif nd:
-            out[:nd] = kernels.decode(
-                q[:nd], packed, md.block_table[:nd], window, window_md.block_table[:nd], md.seq_lens[:nd],
-                self.plan, slot, self.scale, *scales,
-            )  # fmt: skip
+            bound.decode(q[:nd], md.block_table, window_md.block_table, md.seq_lens, out[:nd])
+        packed, window, slot = bound.packed, bound.window, self.view_slot
+        scales = (layer._k_scale_float, layer._v_scale_float, self.fp8)
         for row, start, end, cached, prompt in md.extends:
             table = window_md.block_table[row]
             split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense

@@ -188,11 +188,14 @@ def supports_write(
         and k.element_size() in (2, 4)
         and packed.stride(2) == 1
         and window.stride(2) == 1
-        and k.stride(2) == 1
-        and v.stride(2) == 1
-        and k.stride(1) == k.shape[2]
-        and v.stride(1) == v.shape[2]
+        and rows_contiguous(k)
+        and rows_contiguous(v)
     )
+
+
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each token's ``[Hkv, D]`` of ``t`` ``[n, Hkv, D]`` is one run (tokens may lie apart: a fused QKV's)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
 def write(
@@ -206,18 +209,7 @@ def write(
 ) -> None:
     """:func:`leank_infer.vllm.paged_reference.write_pages` in one call (no fp8: see :func:`supports_write`):
     the step's K/V ``[n, Hkv, D]`` into this layer's packed rows and, where the window block is real, rest rows."""
-    if not available():
-        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
-    const, _ = _write_layout(slot)
-    a = _WArgs.from_buffer_copy(const)
-    ps, ws = _slots(packed_slots), _slots(window_slots)
-    a.n, a.HD, a.block_size, a.elem = k.shape[0], k.shape[1] * k.shape[2], packed.shape[1], k.element_size()
-    a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
-    _set_pages(a, packed, window, slot)
-    a.packed_slots, a.window_slots = ps.data_ptr(), ws.data_ptr()
-    a.width = slot.layout.width
-    if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
-        raise RuntimeError(f"the LeanK CPU write got bad arguments (packed row {packed.shape[2]} for {slot.layout})")
+    LayerKernel(slot, packed, window).write(packed_slots, window_slots, k, v)
 
 
 def supports_gather(packed: torch.Tensor, window: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -375,33 +367,92 @@ def decode(
 ) -> torch.Tensor:
     """LeanK attention ``[B, Hq, D]`` (q's dtype) of one new query per request, its K/V already in the pages;
     the arguments of :func:`leank_infer.vllm.kernels.decode`. Needs :func:`available` and :func:`supports`."""
-    if not available():
-        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
-    b, hq, d = q.shape
-    const, _ = _layer(plan, slot)
-    a = _Args.from_buffer_copy(const)  # a fresh copy: calls from several threads never share one
-    q = q if q.is_contiguous() else q.contiguous()
-    packed_table, window_table = _table(packed_table), _table(window_table)
-    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        seq_lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty((b, hq, d), dtype=torch.float32)
-    a.B, a.Hq = b, hq
-    a.q, a.out, a.q_type = q.data_ptr(), out.data_ptr(), _Q_TYPES[q.dtype]
-    a.packed, a.window = packed.data_ptr(), window.data_ptr()
-    a.packed_block_stride, a.packed_row = packed.stride(0), packed.shape[2]
-    a.window_block_stride, a.window_row = window.stride(0), window.shape[2]
-    a.packed_table, a.window_table = packed_table.data_ptr(), window_table.data_ptr()
-    a.packed_table_stride, a.window_table_stride = packed_table.stride(0), window_table.stride(0)
-    a.seq_lens = seq_lens.data_ptr()
-    a.scale = scale
-    if fp8 is not None:
-        a.kv_type, a.lut, a.k_scale, a.v_scale = 3, _lut(fp8).data_ptr(), k_scale, v_scale
-    else:
-        a.kv_type, a.k_scale, a.v_scale = _KV_TYPES[packed.dtype], 1.0, 1.0
-    a.threads = torch.get_num_threads()
-    rc = LIBRARY.lib.leank_cpu_decode(ctypes.byref(a))
-    if rc:
-        raise RuntimeError(
-            f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments)"
-        )
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return LayerKernel(slot, packed, window, plan, scale, k_scale, v_scale, fp8).decode(
+        q, packed_table, window_table, seq_lens
+    )
+
+
+class LayerKernel:
+    """The library's write and decode of one layer over its pages, the arguments that do not change from step
+    to step (the layer's columns, the pages and their strides, the rule's sizes, the dtypes and scales) put in
+    place once: the engine calls a layer's write and decode every step, where building every field anew cost
+    more than the write itself (``benchmarks/vllm_profile.py``: the time around the kernel). Needs
+    :func:`available`, :func:`supports` for the decode and :func:`supports_write` for the write; ``plan`` only for
+    the decode. It holds the pages (views of vLLM's pool), so they live as long as it does."""
+
+    def __init__(
+        self,
+        slot: LayerSlot,
+        packed: torch.Tensor,
+        window: torch.Tensor,
+        plan: WorkerPlan | None = None,
+        scale: float = 1.0,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        fp8: torch.dtype | None = None,
+    ) -> None:
+        if not available():
+            raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
+        self.slot, self.packed, self.window = slot, packed, window
+        const, self._keep = _write_layout(slot)
+        w = self._write = _WArgs.from_buffer_copy(const)
+        w.block_size, w.elem, w.width = packed.shape[1], packed.element_size(), slot.layout.width
+        _set_pages(w, packed, window, slot)
+        if plan is None:
+            return
+        const, self._keep_decode = _layer(plan, slot)
+        a = self._decode = _Args.from_buffer_copy(const)
+        a.packed, a.window = packed.data_ptr(), window.data_ptr()
+        a.packed_block_stride, a.packed_row = packed.stride(0), packed.shape[2]
+        a.window_block_stride, a.window_row = window.stride(0), window.shape[2]
+        a.scale = scale
+        if fp8 is not None:
+            self._lut = _lut(fp8)
+            a.kv_type, a.lut, a.k_scale, a.v_scale = 3, self._lut.data_ptr(), k_scale, v_scale
+        else:
+            a.kv_type, a.k_scale, a.v_scale = _KV_TYPES[packed.dtype], 1.0, 1.0
+
+    def write(self, packed_slots: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's K/V ``[n, Hkv, D]`` (rows contiguous) into the layer's packed rows and real window rows."""
+        a = _WArgs.from_buffer_copy(self._write)  # a fresh copy: calls from several threads never share one
+        ps, ws = _slots(packed_slots), _slots(window_slots)
+        a.n, a.HD = k.shape[0], k.shape[1] * k.shape[2]
+        a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+        a.packed_slots, a.window_slots = ps.data_ptr(), ws.data_ptr()
+        if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
+            raise RuntimeError(
+                f"the LeanK CPU write got bad arguments (packed row {self.packed.shape[2]} for {self.slot.layout})"
+            )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        packed_table: torch.Tensor,
+        window_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention ``[B, Hq, D]`` of one new query per request (B = ``q.shape[0]``: the tables and lengths may
+        have more rows, the first B are read), into ``out`` when given (else a new tensor of q's dtype)."""
+        b, hq, d = q.shape
+        a = _Args.from_buffer_copy(self._decode)
+        q = q if q.is_contiguous() else q.contiguous()
+        packed_table, window_table = _table(packed_table), _table(window_table)
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.shape == q.shape
+        res = out if direct else torch.empty((b, hq, d), dtype=torch.float32)
+        a.B, a.Hq = b, hq
+        a.q, a.out, a.q_type = q.data_ptr(), res.data_ptr(), _Q_TYPES[q.dtype]
+        a.packed_table, a.window_table = packed_table.data_ptr(), window_table.data_ptr()
+        a.packed_table_stride, a.window_table_stride = packed_table.stride(0), window_table.stride(0)
+        a.seq_lens = seq_lens.data_ptr()
+        a.threads = torch.get_num_threads()
+        rc = LIBRARY.lib.leank_cpu_decode(ctypes.byref(a))
+        if rc:
+            raise RuntimeError(f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments)")
+        if out is None:
+            return res if q.dtype == torch.float32 else res.to(q.dtype)
+        if not direct:
+            out.copy_(res)
+        return out

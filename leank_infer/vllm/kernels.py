@@ -199,6 +199,61 @@ def write(
         write_pages(packed, packed_slots, window, window_slots, k, v, slot, k_scale, v_scale, fp8)
 
 
+class BoundLayer:
+    """One layer's write and decode over its pages (views of vLLM's pool that stay put while the engine runs), the
+    implementation chosen once rather than every call: the CPU library's (:class:`~leank_infer.vllm.cpu_decode.LayerKernel`,
+    its constant arguments in place) where it covers the pages, else :func:`write` and :func:`decode`. The backend
+    binds each layer at its first step and again only when the pages, the dtype or the scales change."""
+
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        slot: LayerSlot,
+        packed: torch.Tensor,
+        window: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        fp8: torch.dtype | None = None,
+    ) -> None:
+        self.plan, self.slot, self.packed, self.window, self.scale = plan, slot, packed, window, scale
+        self.scales = (k_scale, v_scale, fp8)
+        probe = torch.empty(1, 1, 1, dtype=dtype, device=packed.device)
+        cpu = packed.device.type == "cpu" and not triton_paged.handles(probe)
+        self.cpu: cpu_decode.LayerKernel | None = None
+        if cpu and cpu_decode.supports(probe, packed, window, fp8) and cpu_decode.available():
+            self.cpu = cpu_decode.LayerKernel(slot, packed, window, plan, scale, k_scale, v_scale, fp8)
+        self.cpu_write = self.cpu is not None and fp8 is None and packed.element_size() in (2, 4)
+
+    def write(self, packed_slots: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:func:`write` of the step's K/V ``[n, Hkv, D]``."""
+        if (
+            self.cpu_write
+            and k.dtype == v.dtype == self.packed.dtype
+            and cpu_decode.rows_contiguous(k)
+            and cpu_decode.rows_contiguous(v)
+            and cpu_decode.available()
+        ):
+            self.cpu.write(packed_slots, window_slots, k, v)
+        else:
+            write(self.packed, packed_slots, self.window, window_slots, k, v, self.slot, *self.scales)
+
+    def decode(
+        self, q: torch.Tensor, packed_table: torch.Tensor, window_table: torch.Tensor, seq_lens: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """:func:`decode` of the first B = ``q.shape[0]`` rows of the tables, into ``out`` ``[B, Hq, D]`` if given."""
+        if self.cpu is not None and cpu_decode.available():
+            return self.cpu.decode(q, packed_table, window_table, seq_lens, out)
+        b = q.shape[0]
+        got = decode(
+            q, self.packed, packed_table[:b], self.window, window_table[:b], seq_lens[:b], self.plan, self.slot,
+            self.scale, *self.scales,
+        )  # fmt: skip
+        return got if out is None else out.copy_(got)
+
+
 def prepare(plan: WorkerPlan, device: torch.device) -> None:
     """Put what the kernels read besides the pages (per-layer channel tables) on ``device``: once per worker,
     before any CUDA graph capture (a capturing stream cannot copy from the host)."""

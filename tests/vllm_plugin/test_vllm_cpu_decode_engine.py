@@ -22,8 +22,8 @@ def test_engine_decodes_through_the_kernel_as_through_the_pytorch_path(leank_llm
     prompts = [ids[1000 * i : 1000 * i + n] for i, n in enumerate((40, 330, 1300))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     calls = []
-    real = cpu_decode.decode
-    monkeypatch.setattr(cpu_decode, "decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = cpu_decode.LayerKernel.decode  # what each layer's bound calls run (kernels.BoundLayer)
+    monkeypatch.setattr(cpu_decode.LayerKernel, "decode", lambda s, q, *a: calls.append(q.shape[0]) or real(s, q, *a))
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(cpu_decode.ENV_SWITCH, switch)
