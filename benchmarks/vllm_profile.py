@@ -2,16 +2,17 @@
 decode steps timed and then profiled (cProfile), the attention path split from the rest.
 
     .venv-vllm/bin/python benchmarks/vllm_profile.py [--mask hub/smollm2-135m-instruct-s3] [--batch 1]
-        [--context 2048] [--threads 2] [--steps 20] [--top 15] [--save]
+        [--context 2048] [--threads 2] [--steps 20] [--top 15] [--save] [--dump /tmp/prof]
 
 The embedded SmolLM2-135M-Instruct (offline), fp32, vLLM's defaults, each engine in a process of its own
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``OMP_NUM_THREADS=--threads`` unbound. Each side prints the median wall
 time of
 ``--steps`` unprofiled decode steps, then per profiled step: the attention op as vLLM calls it for every layer
 (``unified_attention_with_output`` and, for plain vLLM, its separate ``unified_kv_cache_update``), the attention
-kernel inside it (vLLM's ``cpu_attention_with_kv_cache`` or LeanK's ``cpu_decode.decode``), and what is left
-around the kernel (the page write, views, argument building: Python per layer); then the functions with the most
-time of their own. The last thing printed is a markdown table of both sides (``--save``: for the docs).
+kernel inside it (vLLM's ``cpu_attention_with_kv_cache`` or LeanK's ``cpu_decode.LayerKernel.decode``), and what
+is left around the kernel (the page write, views, argument building: Python per layer); then the functions with
+the most time of their own. The last thing printed is a markdown table of both sides (``--save``: for the docs).
+``--dump``: each side's whole profile as a pstats file, to compare function by function.
 """
 
 from __future__ import annotations
