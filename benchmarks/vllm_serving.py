@@ -111,18 +111,10 @@ def child(args: argparse.Namespace) -> None:
 def best_of(tries: list[dict]) -> list[dict]:
     """One row per (workload, engine), in first-seen order: its try with the shortest wall time (prefix) or median
     time to first token (ttft), with every try's figure in ``tries``."""
-    def figure(r: dict) -> float:
-        return r["wall_s"] if r["workload"] == "prefix" else r["ttft_median_s"]
-
-    out: dict[tuple, dict] = {}
-    for r in tries:
-        key = (r["workload"], r["engine"])
-        best = out.get(key)
-        seen = (best or {}).get("tries", [])
-        if best is None or figure(r) < figure(best):
-            out[key] = {**r, "tries": seen}
-        out[key]["tries"] = [*seen, round(figure(r), 2)]
-    return list(out.values())
+    return results.best_of(
+        tries, lambda r: (r["workload"], r["engine"]),
+        lambda r: r["wall_s"] if r["workload"] == "prefix" else r["ttft_median_s"], higher=False,
+    )  # fmt: skip
 
 
 def main() -> None:

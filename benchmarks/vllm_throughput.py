@@ -127,15 +127,9 @@ def best_of(tries: list[dict]) -> list[dict]:
 
     The same engine started twice on the same machine decodes at speeds up to ~1.4x apart (the model's matmuls,
     half of a step at small batches, vary most), so one engine per side compares two draws of that spread."""
-    out: dict[tuple, dict] = {}
-    for r in tries:
-        key = (r["engine"], r["threads"], r["context"], r["batch"])
-        if key not in out:
-            out[key] = {**r, "tries": []}
-        out[key]["tries"].append(round(r["tok_s"], 2))
-        if r["tok_s"] > out[key]["tok_s"]:
-            out[key].update({k: v for k, v in r.items() if k != "tries"})
-    return list(out.values())
+    return results.best_of(
+        tries, lambda r: (r["engine"], r["threads"], r["context"], r["batch"]), lambda r: r["tok_s"], higher=True
+    )
 
 
 def _tries(plain: dict, leank: dict) -> str:

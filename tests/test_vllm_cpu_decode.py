@@ -410,8 +410,8 @@ def test_a_bound_layer_decodes_as_the_per_call_kernel(dtype, fp8, monkeypatch):
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
 def test_a_bound_layer_writes_as_the_per_call_write(fp8, monkeypatch):
     """BoundLayer.write puts the bytes kernels.write puts: the library's write for fp32 pages (contiguous K/V and a
-    fused QKV's strided rows), the PyTorch write for fp8 pages, for rows split within a token, and with the kernel
-    switched off."""
+    fused QKV's strided rows), the PyTorch write for fp8 pages, for rows split within a token (channels or heads
+    apart), and with the kernel switched off."""
     mask = random_mask(2, 3, 16, [5, 0, 16], seed=6, align=16)
     from leank_infer.vllm.pool import WorkerPlan
 
@@ -423,9 +423,10 @@ def test_a_bound_layer_writes_as_the_per_call_write(fp8, monkeypatch):
     qkv = torch.randn(5, 8 * 16, generator=g)
     fused = (qkv[:, 32:80].view(5, 3, 16), qkv[:, 80:].view(5, 3, 16))
     split = tuple(torch.randn(5, 16, 3, generator=g).transpose(1, 2) for _ in range(2))  # a token's rows apart
+    padded = torch.randn(5, 3, 20, generator=g)[..., :16]  # a token's heads apart (channels contiguous)
     slots = (torch.tensor([17, -1, 40, 3, 95]), torch.tensor([20, -1, 5, 0, 90]))
     bound = kernels.BoundLayer(plan, slot, packed, window, torch.float32, 0.25, 0.5, 2.0, fp8)
-    for k, v in (fused, (split[0], fused[1]), (fused[0], split[1])):
+    for k, v in (fused, (split[0], fused[1]), (fused[0], split[1]), (padded, fused[1]), (fused[0], padded)):
         for switch in ("1", "0"):
             monkeypatch.setenv(cpu_decode.ENV_SWITCH, switch)
             want_p, want_w = packed.clone(), window.clone()

@@ -139,8 +139,7 @@ class LeanKAttentionMixin:
             out[tokens] = bound.decode(q[tokens], md.block_table[rows], window_md.block_table[rows], keys)
         elif nd:
             bound.decode(q[:nd], md.block_table, window_md.block_table, md.seq_lens, out[:nd])
-        packed, window, slot = bound.packed, bound.window, self.view_slot
-        scales = (layer._k_scale_float, layer._v_scale_float, self.fp8)
+        packed, window, slot, scales = bound.packed, bound.window, bound.slot, bound.scales
         for row, start, end, cached, prompt in md.extends:
             table = window_md.block_table[row]
             split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense

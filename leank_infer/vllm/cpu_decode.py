@@ -181,21 +181,34 @@ def supports_write(
 ) -> bool:
     """Whether :func:`write` covers these tensors: CPU pages of the model's own 2- or 4-byte dtype (fp8 pages take
     the PyTorch write: they need the scales and a rounding), rows contiguous in each block and in K/V."""
+    return pages_writable(packed, window, fp8) and kv_writable(packed, k, v)
+
+
+def pages_writable(packed: torch.Tensor, window: torch.Tensor, fp8: torch.dtype | None = None) -> bool:
+    """The pages' half of :func:`supports_write` (an engine's pages keep it: a bound layer checks it once)."""
     return (
         fp8 is None
-        and all(t.device.type == "cpu" for t in (packed, window, k, v))
-        and packed.dtype == window.dtype == k.dtype == v.dtype
-        and k.element_size() in (2, 4)
+        and packed.device.type == "cpu"
+        and window.device.type == "cpu"
+        and packed.dtype == window.dtype
+        and packed.element_size() in (2, 4)
         and packed.stride(2) == 1
         and window.stride(2) == 1
-        and rows_contiguous(k)
-        and rows_contiguous(v)
     )
 
 
-def rows_contiguous(t: torch.Tensor) -> bool:
-    """Whether each token's ``[Hkv, D]`` of ``t`` ``[n, Hkv, D]`` is one run (tokens may lie apart: a fused QKV's)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+def kv_writable(packed: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The step's half of :func:`supports_write`: K/V on the CPU in the pages' dtype, each token's ``[Hkv, D]`` one
+    run (tokens may lie apart: a fused QKV's)."""
+    return (
+        k.device.type == "cpu"
+        and v.device.type == "cpu"
+        and k.dtype == v.dtype == packed.dtype
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+    )
 
 
 def write(

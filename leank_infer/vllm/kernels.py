@@ -224,17 +224,11 @@ class BoundLayer:
         self.cpu: cpu_decode.LayerKernel | None = None
         if cpu and cpu_decode.supports(probe, packed, window, fp8) and cpu_decode.available():
             self.cpu = cpu_decode.LayerKernel(slot, packed, window, plan, scale, k_scale, v_scale, fp8)
-        self.cpu_write = self.cpu is not None and fp8 is None and packed.element_size() in (2, 4)
+        self.cpu_write = self.cpu is not None and cpu_decode.pages_writable(packed, window, fp8)
 
     def write(self, packed_slots: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """:func:`write` of the step's K/V ``[n, Hkv, D]``."""
-        if (
-            self.cpu_write
-            and k.dtype == v.dtype == self.packed.dtype
-            and cpu_decode.rows_contiguous(k)
-            and cpu_decode.rows_contiguous(v)
-            and cpu_decode.available()
-        ):
+        if self.cpu_write and cpu_decode.kv_writable(self.packed, k, v) and cpu_decode.available():
             self.cpu.write(packed_slots, window_slots, k, v)
         else:
             write(self.packed, packed_slots, self.window, window_slots, k, v, self.slot, *self.scales)
