@@ -1,7 +1,7 @@
 """LeanK's CPU decode kernel against vLLM's own CPU attention kernel: one decode step's 30 layer calls, side by side.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_kernel.py [--batches 1,4,16,64] [--contexts 2048,8192]
-        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000]
+        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000] [--prompt 4x512@2560]
 
 The equal-work comparison: the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), every
 request at the same context, the same batch and the same threads (``torch.set_num_threads``), one decode step =
@@ -17,6 +17,9 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
   (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
   the window pages of the sink and the window; shuffled blocks), each layer through its own views.
 
+- **prompt step** (``--prompt BxC@N``): the prompt attention of a step of ``B`` chunks of ``C`` queries after ``N``
+  prompt tokens each, every layer: plain vLLM's, the plugin's on the CPU build
+  (:func:`leank_infer.vllm.cpu_prefill.attend`) and the per-request SDPA path (:func:`prompt_times`).
 - **prompt gather** (``--gather N``): the dense K/V a prompt chunk after ``N`` prompt tokens reads under the
   dense-prompt rule, every layer, PyTorch's gather against the library's (:func:`leank_infer.vllm.kernels.prompt_kv`).
 
@@ -147,6 +150,88 @@ def gather_times(plan, layers: list[int], n: int, g: torch.Generator) -> tuple[f
     return out
 
 
+def prompt_times(plan, layers: list[int], batch: int, chunk: int, cached: int, g: torch.Generator) -> dict:  # noqa: ANN001
+    """Milliseconds (median of alternating steps, :func:`clock`) of the prompt attention of one step over every layer:
+    ``batch`` requests, each a chunk of ``chunk`` prompt queries after ``cached`` prompt tokens. **vLLM**: plain vLLM's
+    write of the chunks' K/V and its CPU attention over dense pages (blocks of 128); **LeanK**: the plugin's
+    (:func:`leank_infer.vllm.cpu_prefill.attend`: the gather into a scratch of vLLM's pages, then the same kernel);
+    **SDPA**: the per-request path that runs on CUDA (:func:`~leank_infer.vllm.kernels.prompt_kv`, then
+    :func:`~leank_infer.vllm.kernels.dense_prefill`), on the same pages."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from leank_infer.vllm import cpu_prefill, kernels
+
+    hkv, d, length, n = plan.num_kv_heads, plan.head_dim, cached + chunk, batch * chunk
+    q = torch.randn(n, HQ, d, generator=g)
+    k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    out = torch.empty_like(q)
+    # plain vLLM: dense pages per layer, the earlier tokens in place, the chunks written by the step
+    bs, per_req = 128, -(-length // 128)
+    table = (torch.randperm(batch * per_req, generator=g) + 1).view(batch, per_req).int()
+    caches = [torch.randn(batch * per_req + 1, hkv, 2 * bs, d, generator=g).chunk(2, dim=2) for _ in layers]
+    pos = torch.arange(cached, length)
+    slots = torch.cat([table[b].long()[pos // bs] * bs + pos % bs for b in range(batch)])
+    qsl = torch.arange(0, n + 1, chunk, dtype=torch.int32)
+    seq = torch.full((batch,), length, dtype=torch.int32)
+    isa = _get_attn_isa(torch.float32, bs, d, "auto")
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch, num_heads=HQ, num_kv_heads=hkv, head_dim=d, seq_lens=seq, dtype=torch.float32,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+
+    def vllm_step() -> None:
+        for key_cache, value_cache in caches:
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+                seq_lens=seq, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+                softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
+            )  # fmt: skip
+
+    # LeanK: the plugin's pages, every prompt block's rest row real (the dense-prompt rule while it is computed)
+    packed, ptable, _, _ = leank_pages(plan, batch, length, g)
+    window = torch.randn(packed.shape[0], 1, packed.shape[2], plan.window_row, generator=g)
+    bound = [
+        kernels.BoundLayer(plan, s.in_view(), s.packed_view(packed), s.window_view(window), torch.float32, d**-0.5)
+        for s in (plan.slots[i] for i in layers)
+    ]
+    chunks = [(b, b * chunk, (b + 1) * chunk, cached) for b in range(batch)]
+    batch_plan = cpu_prefill.plan_prompts(chunks, HQ, hkv, d, torch.float32)  # once per step in the engine
+
+    def leank_step() -> None:
+        for layer in bound:
+            cpu_prefill.attend(batch_plan, layer, q, k, v, out, ptable, ptable)
+
+    def sdpa_step() -> None:
+        for layer in bound:
+            for b, start, end, first in chunks:
+                kk, vv = kernels.prompt_kv(
+                    plan, layer.slot, layer.packed, ptable[b], layer.window, ptable[b], length, first, k[start:end],
+                    v[start:end], torch.float32,
+                )  # fmt: skip
+                out[start:end] = kernels.dense_prefill(q[start:end], kk, vv, first, d**-0.5)
+
+    sides = {"vllm": vllm_step, "leank": leank_step, "sdpa": sdpa_step}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(5):
+        for name, fn in sides.items():
+            t = clock()
+            fn()
+            times[name].append(1e3 * (clock() - t))
+    med = {f"{k}_ms": statistics.median(t) for k, t in times.items()}
+    print(
+        f"prompt step, {batch} x {chunk} queries after {cached}, {len(layers)} layers, {torch.get_num_threads()} "
+        f"thread(s): vLLM {med['vllm_ms']:.1f} ms, LeanK {med['leank_ms']:.1f} ms, SDPA {med['sdpa_ms']:.1f} ms",
+        flush=True,
+    )
+    return dict(batch=batch, chunk=chunk, cached=cached, threads=torch.get_num_threads(), **med)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_kernel.py", description=__doc__.splitlines()[0])
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
@@ -158,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
     p.add_argument("--gather", type=int, default=3000,
                    help="also time a prompt chunk's gather of this many earlier tokens over every layer (0: no)")
+    p.add_argument("--prompt", default="4x512@2560",
+                   help="also time a prompt step: BATCH x CHUNK queries after CACHED prompt tokens each ('': no)")
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-kernel.json")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
@@ -232,6 +319,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     flush=True,
                 )
             del vcalls, packed, window, leank
+    prompts = []
+    if args.prompt:
+        shape, cached = args.prompt.split("@")
+        pb, pc = (int(x) for x in shape.split("x"))
+        for threads in [int(x) for x in args.threads.split(",")]:
+            torch.set_num_threads(threads)
+            prompts.append(prompt_times(plan, layers, pb, pc, int(cached), g))
     gathered = gather_times(plan, layers, args.gather, g) if args.gather else None
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end; vLLM ISA {rows[-1]['isa'] if rows else '?'}")
     lines = [
@@ -246,6 +340,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for r in rows
         ),
     ]
+    if prompts:
+        lines += [
+            "",
+            f"The prompt attention of one step, all {len(layers)} layers: {prompts[0]['batch']} requests, each a chunk of "
+            f"{prompts[0]['chunk']:,} prompt queries after {prompts[0]['cached']:,} prompt tokens (the dense-prompt "
+            "rule), milliseconds as above. vLLM: plain vLLM's write and CPU attention over its pages; LeanK: the "
+            "plugin's (`cpu_prefill.attend`: the gather into a scratch of vLLM's pages, then vLLM's kernel); SDPA: the "
+            "per-request gather and SDPA (`kernels.prompt_kv`, `kernels.dense_prefill`; what CUDA runs) over the same "
+            "pages.",
+            "",
+            "| threads | vLLM (ms) | LeanK (ms) | SDPA (ms) | LeanK / vLLM | SDPA / LeanK |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {r['threads']} | {r['vllm_ms']:.1f} | {r['leank_ms']:.1f} | {r['sdpa_ms']:.1f} | "
+                f"{r['leank_ms'] / r['vllm_ms']:.2f} | {r['sdpa_ms'] / r['leank_ms']:.2f} |"
+                for r in prompts
+            ),
+        ]
     if gathered:
         lines += [
             "",

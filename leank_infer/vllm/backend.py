@@ -18,9 +18,11 @@ KV cache spec, its pages sized to LeanK's: :func:`plan_worker`):
   tokens an unchunked, uncached, uninterrupted run gives (up to floating point), and so does
   ``LeanKModel(..., rule=...)`` with the same rule;
 - the decode requests of a step (one new token each; vLLM puts them first) go to one kernel call per
-  layer (:mod:`~leank_infer.vllm.kernels`); each prefill chunk gathers its request's K/V from the pages and
-  runs SDPA: dense over the prompt's full rows for prompt queries (:func:`~leank_infer.vllm.kernels.dense_prefill`),
-  the positional prefill for the others (:func:`~leank_infer.vllm.kernels.prefill`).
+  layer (:mod:`~leank_infer.vllm.kernels`); the prompt queries of a step's chunks attend densely over their
+  prompts' full rows: on vLLM's CPU build all of them in one call of vLLM's own CPU attention over a scratch copy
+  (:mod:`~leank_infer.vllm.cpu_prefill`), on CUDA one SDPA call per request
+  (:func:`~leank_infer.vllm.kernels.dense_prefill`); queries that follow the positional rule gather their
+  request's K/V and run the positional prefill (:func:`~leank_infer.vllm.kernels.prefill`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ..mask import ChannelMask, MaskError, dense_layers_of
-from . import kernels
+from . import cpu_prefill, kernels
 from .paged_reference import request_kv
 from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
 from .settings import check_engine, load_checked_mask, settings_from
@@ -140,10 +142,11 @@ class LeanKAttentionMixin:
         elif nd:
             bound.decode(q[:nd], md.block_table, window_md.block_table, md.seq_lens, out[:nd])
         packed, window, slot, scales = bound.packed, bound.window, bound.slot, bound.scales
-        for row, start, end, cached, prompt in md.extends:
+        if md.prompts is not None:  # vLLM's CPU build: every prompt query of the step in one call of vLLM's kernel
+            cpu_prefill.attend(md.prompts, bound, q, k, v, out, md.block_table, window_md.block_table)
+        for row, start, split, end, cached in md.extends:
             table = window_md.block_table[row]
-            split = min(end, start + max(0, prompt - cached))  # queries before it are prompt queries: dense
-            if split > start:
+            if split > start and md.prompts is None:  # prompt queries, dense: one SDPA call per request
                 kk, vv = kernels.prompt_kv(
                     self.plan, slot, packed, md.block_table[row], window, table, split - start + cached, cached,
                     k[start:split], v[start:split], q.dtype, *scales,

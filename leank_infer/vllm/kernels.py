@@ -88,6 +88,33 @@ def prefill(
     return out[0]
 
 
+def prompt_rows(
+    plan: WorkerPlan,
+    slot: LayerSlot,
+    packed: torch.Tensor,
+    packed_table: torch.Tensor,
+    window: torch.Tensor,
+    window_table: torch.Tensor,
+    n: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8: torch.dtype | None = None,
+) -> None:
+    """Every channel of a request's prompt tokens ``[0, n)`` (their packed and rest rows: the dense-prompt rule keeps
+    the rest rows until the prompt is computed) into ``k``/``v`` ``[>= n, Hkv, D]``: one pass of the CPU library where
+    it covers the pages (:func:`~leank_infer.vllm.cpu_decode.gather`), else PyTorch's
+    (:func:`~leank_infer.vllm.paged_reference.full_rows`, four copies; fp8 pages, CUDA)."""
+    if cpu_decode.supports_gather(packed, window, k.dtype) and k.is_contiguous() and cpu_decode.available():
+        cpu_decode.gather(packed, packed_table, window, window_table, n, slot, k, v)
+    else:
+        positions = torch.arange(n, device=packed.device)
+        k[:n], v[:n] = full_rows(
+            plan, slot, packed, packed_table, window, window_table, positions, k.dtype, k_scale, v_scale, fp8
+        )
+
+
 def prompt_kv(
     plan: WorkerPlan,
     slot: LayerSlot,
@@ -104,21 +131,15 @@ def prompt_kv(
     v_scale: float = 1.0,
     fp8: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K/V ``[length, Hkv, D]`` of a prompt chunk's request under the dense-prompt rule (every earlier token
-    with every channel, then the chunk's own): :func:`~leank_infer.vllm.paged_reference.request_kv` with
-    ``whole=True``, its gather of the earlier tokens in one pass of the CPU library where it covers the pages
-    (:func:`~leank_infer.vllm.cpu_decode.gather`; PyTorch's takes four copies)."""
-    if first_query and cpu_decode.supports_gather(packed, window, dtype) and cpu_decode.available():
-        k = torch.empty(length, plan.num_kv_heads, plan.head_dim, dtype=dtype)
-        v = torch.empty_like(k)
-        cpu_decode.gather(packed, packed_table, window, window_table, first_query, slot, k, v)
-        k[first_query:] = new_k.to(dtype)
-        v[first_query:] = new_v.to(dtype)
-        return k, v
-    return request_kv(
-        plan, slot, packed, packed_table, window, window_table, length, first_query, new_k, new_v, dtype,
-        k_scale, v_scale, fp8, whole=True,
-    )  # fmt: skip
+    """Dense K/V ``[length, Hkv, D]`` of a prompt chunk's request under the dense-prompt rule: every earlier token
+    with every channel (:func:`prompt_rows`), then the chunk's own (what
+    :func:`~leank_infer.vllm.paged_reference.request_kv` with ``whole=True`` builds)."""
+    k = torch.empty(length, plan.num_kv_heads, plan.head_dim, dtype=dtype, device=packed.device)
+    v = torch.empty_like(k)
+    prompt_rows(plan, slot, packed, packed_table, window, window_table, first_query, k, v, k_scale, v_scale, fp8)
+    k[first_query:] = new_k.to(dtype)
+    v[first_query:] = new_v.to(dtype)
+    return k, v
 
 
 def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query: int, scale: float,

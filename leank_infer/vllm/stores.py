@@ -24,6 +24,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from .cpu_prefill import PromptBatch, plan_prompts
+from .pool import WorkerPlan
+
 
 @dataclass
 class WindowMetadata:
@@ -43,15 +46,18 @@ class LeanKMetadata:
     block_table: torch.Tensor  # [num_reqs, blocks] int32 (packed store)
     slot_mapping: torch.Tensor  # [num_tokens] int64 (packed store)
     # the other requests (prefill chunks, or several tokens), and under the "dense-prompt" rule the decodes whose
-    # one token is a prompt token; one tuple each: (row, first token, end token, cached, prompt): ``prompt`` is the
-    # request's prompt length under the "dense-prompt" rule (its queries before it attend densely), 0 under the
-    # positional rule
+    # one token is a prompt token; one tuple each: (row, first token, split, end token, cached): the queries before
+    # ``split`` are prompt queries under the "dense-prompt" rule (they attend densely), the rest follow the positional
+    # rule (all of them under the positional rule); ``cached`` tokens of the request precede the first
     extends: tuple[tuple[int, int, int, int, int], ...]
     # requests with a few generated queries (speculative decoding's drafts, a short run of generated tokens
     # recomputed): the batched decode runs them too, one row per query, each over its request's pages up to its
     # own position (the rule depends on the position only). ``None`` when the step has none; else the rows'
     # (token index, request row, keys) for every decode row, the one-token decodes first
     multi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # on vLLM's CPU build, the extends' prompt queries laid out for vLLM's own CPU attention (one call per layer for
+    # all of them: :mod:`~leank_infer.vllm.cpu_prefill`); ``None`` elsewhere or when the step has none
+    prompts: PromptBatch | None = None
 
 
 class WindowBuilder(AttentionMetadataBuilder[WindowMetadata]):
@@ -80,6 +86,13 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         settings = settings_from(getattr(vllm_config, "additional_config", None))
         self.dense_prompt = settings is not None and settings.dense_prompt
         self.max_multi = max_multi_queries(vllm_config)
+        # (query heads, KV heads, head size, dtype) of vLLM's CPU attention over the step's prompt queries
+        self.cpu_prompts: tuple[int, int, int, torch.dtype] | None = None
+        plan = worker_plan(vllm_config)
+        context = vllm_config.compilation_config.static_forward_context
+        heads = {context[name].impl.num_heads for name in layer_names if hasattr(context.get(name), "impl")}
+        if self.dense_prompt and torch.device(device).type == "cpu" and plan is not None and len(heads) == 1:
+            self.cpu_prompts = (heads.pop(), plan.num_kv_heads, plan.head_dim, vllm_config.model_config.dtype)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -99,22 +112,25 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         if prompts is not None and num_decodes:
             prompt_rows = torch.nonzero(lens_cpu[:num_decodes] <= prompts[:num_decodes].to(lens_cpu.device)).flatten().tolist()
         extends: tuple[tuple[int, int, int, int, int], ...] = ()
-        multi = None
+        multi = batch = None
         if num_prefills or prompt_rows:  # host values, once per step (not per layer): the chunks' bounds
             starts = cm.query_start_loc_cpu.tolist()
             lens = lens_cpu.tolist()
             sizes = prompts.tolist() if prompts is not None else [0] * cm.num_reqs
             rows = [*prompt_rows, *range(num_decodes, cm.num_reqs)]
-            extends = tuple(
-                (i, starts[i], starts[i + 1], lens[i] - (starts[i + 1] - starts[i]), sizes[i])
-                for i in rows
-                if starts[i + 1] > starts[i]
-            )
+            for i in rows:
+                start, end = starts[i], starts[i + 1]
+                cached = lens[i] - (end - start)
+                if end > start:  # the queries before split are prompt queries (dense-prompt rule)
+                    extends += ((i, start, min(end, start + max(0, sizes[i] - cached)), end, cached),)
             # a few generated queries of a request (every query at or past its prompt length): batched decode rows
-            few = [e for e in extends if e[0] >= num_decodes and e[2] - e[1] <= self.max_multi and e[3] >= e[4]]
+            few = [e for e in extends if e[0] >= num_decodes and e[3] - e[1] <= self.max_multi and e[2] == e[1]]
             if few:
                 extends = tuple(e for e in extends if e not in few)
                 multi = _multi_rows(num_decodes, few, cm.seq_lens)
+            chunks = [(row, start, split, cached) for row, start, split, _, cached in extends if split > start]
+            if chunks and self.cpu_prompts is not None:
+                batch = plan_prompts(chunks, *self.cpu_prompts)
         return LeanKMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_decodes=num_decodes,
@@ -123,6 +139,7 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
             slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
             extends=extends,
             multi=multi,
+            prompts=batch,
         )
 
 
@@ -135,13 +152,18 @@ def max_multi_queries(vllm_config: Any) -> int:
     score with every channel is in a real window block (the window manager leaves the start of a longer run of
     new tokens, with the step's lookahead slots, unallocated: such a run reads its own K/V from the step, in the
     extend path)."""
-    context = vllm_config.compilation_config.static_forward_context
-    plans = [getattr(getattr(m, "impl", None), "plan", None) for m in context.values()]
-    plan = next((p for p in plans if p is not None), None)
+    plan = worker_plan(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
     lookahead = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
     # the window manager keeps the window of the step's last slot, lookahead slots included
     return 0 if plan is None else max(0, min(MAX_MULTI_QUERIES, plan.window - 1 - lookahead))
+
+
+def worker_plan(vllm_config: Any) -> WorkerPlan | None:
+    """The worker's LeanK plan (:func:`~leank_infer.vllm.backend.plan_worker`), ``None`` before it or without a mask."""
+    context = vllm_config.compilation_config.static_forward_context
+    plans = [getattr(getattr(m, "impl", None), "plan", None) for m in context.values()]
+    return next((p for p in plans if p is not None), None)
 
 
 def _multi_rows(
@@ -153,7 +175,7 @@ def _multi_rows(
     ``seq_lens`` on the device: the host's upper bound (vLLM's ``seq_lens_cpu_upper_bound``) assumes every draft of an
     asynchronously scheduled speculative step was accepted."""
     tokens, rows, back = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes
-    for row, start, end, _, _ in few:
+    for row, start, _, end, _ in few:
         tokens += range(start, end)
         rows += [row] * (end - start)
         back += range(end - 1 - start, -1, -1)

@@ -68,9 +68,9 @@ def test_draft_rows_count_their_keys_from_the_exact_lengths():
     from leank_infer.vllm.stores import _multi_rows
 
     seq_lens = torch.tensor([50, 70, 90, 120], dtype=torch.int32)  # exact, after the step
-    # two one-token decodes, then request 2 with queries [2, 5) and request 3 with [5, 7); the extends' ``cached``
-    # (field 3) is the host's optimistic count and must not be used
-    few = [(2, 2, 5, 999, 0), (3, 5, 7, 999, 0)]
+    # two one-token decodes, then request 2 with queries [2, 5) and request 3 with [5, 7) (no prompt query: split at
+    # the first); the extends' ``cached`` (field 4) is the host's optimistic count and must not be used
+    few = [(2, 2, 2, 5, 999), (3, 5, 5, 7, 999)]
     tokens, rows, keys = _multi_rows(2, few, seq_lens)
     assert tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert rows.tolist() == [0, 1, 2, 2, 2, 3, 3]

@@ -1,0 +1,161 @@
+"""The dense-prompt prefill on vLLM's CPU build: every prompt chunk of a step in one call of vLLM's own CPU attention.
+
+A prompt query attends to its request's prompt with every channel (the ``"dense-prompt"`` rule): the model's own
+causal attention, the computation plain vLLM runs. LeanK's pages hold those tokens split in two (packed row, rest
+row), which vLLM's kernel cannot read, so a step copies them into a scratch of vLLM's own CPU pages, one run of
+blocks per request: each request's earlier prompt tokens gathered from LeanK's pages
+(:func:`~leank_infer.vllm.kernels.prompt_rows`), the chunk's own K/V from the step, both written by vLLM's
+``cpu_attn_reshape_and_cache`` (so the interior of a block is whatever vLLM's kernel reads on this CPU). Then
+``cpu_attention_with_kv_cache``, the kernel plain vLLM prefills with, runs once over every prompt chunk of the step,
+with vLLM's scheduler metadata for it (:func:`plan_prompts`, once per step in the metadata builder).
+
+The copy is the cost over plain vLLM: for a chunk after ``c`` cached prompt tokens, ``c`` rows gathered and written
+per layer; the attention itself is plain vLLM's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from . import kernels
+
+SCRATCH_BLOCK = 128  # tokens per block of the scratch pages (vLLM's CPU kernel takes multiples of 32)
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """A step's prompt queries, laid out for vLLM's CPU attention: the same for every layer of the step."""
+
+    tokens: slice | torch.Tensor  # where the queries are among the step's tokens (a slice when they are one run)
+    requests: tuple[tuple[int, int, int], ...]  # (request row, its earlier prompt tokens, their first buffer row)
+    earlier: int  # earlier prompt tokens of all requests together (the gather buffer's rows)
+    earlier_slots: torch.Tensor  # [earlier] int64: their scratch slots
+    query_slots: torch.Tensor  # [queries] int64: the scratch slots of the chunks' own tokens
+    pad_slots: torch.Tensor  # int64: the rest of each request's last block (zeros: vLLM's kernel reads whole tiles)
+    query_start_loc: torch.Tensor  # [requests + 1] int32
+    seq_lens: torch.Tensor  # [requests] int32: earlier tokens + the chunk's
+    block_table: torch.Tensor  # [requests, blocks] int32, into the scratch
+    num_blocks: int
+    isa: str
+    scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
+
+
+def plan_prompts(
+    chunks: list[tuple[int, int, int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> PromptBatch:
+    """The :class:`PromptBatch` of a step's prompt chunks ``(request row, first token, end token, cached)``: the
+    queries ``[first, end)`` of the step at positions ``cached + i`` (their request's prompt goes on past them)."""
+    bs = SCRATCH_BLOCK
+    isa = _get_attn_isa(dtype, bs, head_dim, "auto")
+    requests, earlier_slots, query_slots, pad_slots, starts, lens, tables = [], [], [], [], [0], [], []
+    block = row = 0
+    for request, start, end, cached in chunks:
+        n = end - start
+        requests.append((request, cached, row))
+        earlier_slots.append(torch.arange(block * bs, block * bs + cached))
+        query_slots.append(torch.arange(block * bs + cached, block * bs + cached + n))
+        blocks = -(-(cached + n) // bs)
+        pad_slots.append(torch.arange(block * bs + cached + n, (block + blocks) * bs))
+        tables.append(torch.arange(block, block + blocks))
+        starts.append(starts[-1] + n)
+        lens.append(cached + n)
+        block += blocks
+        row += cached
+    width = max(t.numel() for t in tables)
+    table = torch.zeros(len(chunks), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : t.numel()] = t
+    contiguous = all(a[2] == b[1] for a, b in pairwise(chunks))
+    tokens = (
+        slice(chunks[0][1], chunks[-1][2])
+        if contiguous
+        else torch.cat([torch.arange(start, end) for _, start, end, _ in chunks])
+    )
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(chunks),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
+    )
+    return PromptBatch(
+        tokens, tuple(requests), row, torch.cat(earlier_slots), torch.cat(query_slots), torch.cat(pad_slots),
+        query_start_loc, seq_lens, table, block, isa, scheduler,
+    )  # fmt: skip
+
+
+def attend(
+    batch: PromptBatch,
+    bound: kernels.BoundLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    packed_table: torch.Tensor,
+    window_table: torch.Tensor,
+) -> None:
+    """The prompt queries of ``batch`` among the step's ``q`` ``[n, Hq, D]`` (their K/V ``k``/``v`` ``[n, Hkv, D]``)
+    attended over their requests' prompts with every channel, into ``out`` ``[n, Hq, D]``."""
+    heads, dim = k.shape[1], k.shape[2]
+    scratch = torch.empty(batch.num_blocks, heads, 2 * SCRATCH_BLOCK, dim, dtype=q.dtype)
+    key_cache, value_cache = scratch.chunk(2, dim=2)  # vLLM's CPU view of a block: K rows then V rows
+
+    def put(kk: torch.Tensor, vv: torch.Tensor, slots: torch.Tensor) -> None:
+        ops.cpu_attn_reshape_and_cache(
+            kk, vv, key_cache, value_cache, slots, batch.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
+
+    if batch.earlier:
+        kk = torch.empty(batch.earlier, heads, dim, dtype=q.dtype)
+        vv = torch.empty_like(kk)
+        plan, slot, packed, window = bound.plan, bound.slot, bound.packed, bound.window
+        for request, cached, row in batch.requests:
+            if cached:
+                kernels.prompt_rows(
+                    plan, slot, packed, packed_table[request], window, window_table[request], cached,
+                    kk[row : row + cached], vv[row : row + cached], *bound.scales,
+                )  # fmt: skip
+        put(kk, vv, batch.earlier_slots)
+    sliced = isinstance(batch.tokens, slice)
+    pick = (lambda t: t[batch.tokens]) if sliced else (lambda t: t.index_select(0, batch.tokens))
+    put(pick(k), pick(v), batch.query_slots)
+    if batch.pad_slots.numel():  # a masked key still weighs its V by 0 in vLLM's kernel: no NaN may be there
+        zeros = torch.zeros(batch.pad_slots.numel(), heads, dim, dtype=q.dtype)
+        put(zeros, zeros, batch.pad_slots)
+    queries = pick(q)
+    result = out[batch.tokens] if sliced else torch.empty_like(queries)
+    ops.cpu_attention_with_kv_cache(
+        query=queries,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=result,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        scale=bound.scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=batch.block_table,
+        softcap=0,
+        scheduler_metadata=batch.scheduler,
+        s_aux=None,
+        dynamic_causal=None,
+    )
+    if not sliced:
+        out.index_copy_(0, batch.tokens, result)

@@ -1,0 +1,106 @@
+"""The dense-prompt prefill on vLLM's CPU build (leank_infer/vllm/cpu_prefill.py): a step's prompt chunks, their
+earlier prompt tokens in LeanK's pages (tests/vllm_pages.py: NaN wherever nothing was written, blocks shuffled and
+strided), attended in one call of vLLM's CPU kernel, against causal attention over the dense K/V in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from vllm_pages import random_mask, random_pages
+
+from leank_infer.vllm import cpu_prefill, kernels
+
+EMBEDDED = dict(sink_size=16, recent_size=64, accumu_size=16)
+SCALE = 0.125
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+    """Queries ``[n, Hq, D]`` at positions ``first + i`` over keys ``[first + n, Hkv, D]``, every channel, float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+    allowed = torch.arange(k.shape[0])[None] <= torch.arange(first, first + q.shape[0])[:, None]
+    weights = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+def step(lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype, fp8, seed: int):
+    """Pages of requests whose prompts are ``lengths`` long, and a step of ``2 + sum(n) + gap`` tokens: two decode
+    tokens, then for each ``(request, cached, n)`` its chunk of ``n`` prompt queries after ``cached`` tokens (``gap``
+    tokens of other work after the first chunk). The chunks' own K/V are not the pages': the step's are used."""
+    mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=seed, **EMBEDDED)
+    pg = random_pages(mask, lengths, layer=1, q_heads=9, block_size=16, dtype=dtype, fp8=fp8, seed=seed,
+                      whole_window=True)  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    total = 2 + sum(n for _, _, n in chunks) + gap
+    q = torch.randn(total, 9, 64, generator=g).to(pg.q.dtype)
+    k = torch.randn(total, 3, 64, generator=g).to(pg.q.dtype)
+    v = torch.randn(total, 3, 64, generator=g).to(pg.q.dtype)
+    rows, start = [], 2
+    for i, (request, cached, n) in enumerate(chunks):
+        rows.append((request, start, start + n, cached))
+        start += n + (gap if i == 0 else 0)
+    return pg, q, k, v, rows
+
+
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "e4m3")], ids=["fp32", "bf16", "fp8"]
+)
+@pytest.mark.parametrize("gap", [0, 3], ids=["one-run", "apart"])
+def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap):
+    """Chunks after 0, 1, 37 and 300 cached prompt tokens (a one-token chunk among them), in one step, in one run of
+    the step's tokens or apart: each query equals causal attention over its request's earlier tokens (every channel,
+    from the pages) and the step's own K/V; every other row of the output stays as it was."""
+    lengths = [40, 350, 100, 30]
+    chunks = [(1, 300, 50), (0, 37, 1), (2, 0, 100), (3, 1, 20)]
+    pg, q, k, v, rows = step(lengths, chunks, gap, dtype, fp8, seed=3)
+    batch = cpu_prefill.plan_prompts(rows, 9, 3, 64, q.dtype)
+    assert isinstance(batch.tokens, slice) == (gap == 0)
+    bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE, pg.k_scale, pg.v_scale, pg.fp8)
+    out = torch.full_like(q, 5.0)
+    cpu_prefill.attend(batch, bound, q, k, v, out, pg.packed_table, pg.window_table)
+    done = torch.zeros(q.shape[0], dtype=torch.bool)
+    for request, start, end, cached in rows:
+        keys = torch.cat([pg.keys[request][:cached].to(q.dtype), k[start:end]])
+        values = torch.cat([pg.values[request][:cached].to(q.dtype), v[start:end]])
+        want = causal(q[start:end], keys, values, cached)
+        torch.testing.assert_close(out[start:end].double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+        done[start:end] = True
+    assert (out[~done] == 5.0).all()
+
+
+def test_each_request_reads_its_own_blocks():
+    """Two requests with the same earlier length and different pages: swapping their tables swaps their outputs (the
+    gather follows each request's row of the tables, the scratch keeps the requests apart)."""
+    pg, q, k, v, rows = step([64, 64], [(0, 48, 8), (1, 48, 8)], 0, torch.float32, None, seed=5)
+    batch = cpu_prefill.plan_prompts(rows, 9, 3, 64, q.dtype)
+    bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE)
+    out, swapped = torch.zeros_like(q), torch.zeros_like(q)
+    cpu_prefill.attend(batch, bound, q, k, v, out, pg.packed_table, pg.window_table)
+    cpu_prefill.attend(batch, bound, q, k, v, swapped, pg.packed_table.flip(0), pg.window_table.flip(0))
+    for request, other in ((0, 1), (1, 0)):
+        start, end, cached = rows[request][1], rows[request][2], rows[request][3]
+        keys = torch.cat([pg.keys[other][:cached], k[start:end]])
+        values = torch.cat([pg.values[other][:cached], v[start:end]])
+        torch.testing.assert_close(swapped[start:end].double(), causal(q[start:end], keys, values, cached), atol=2e-5,
+                                   rtol=2e-5)  # fmt: skip
+    assert not torch.allclose(out[2:18], swapped[2:18])
+
+
+def test_the_batch_lays_each_request_out_in_whole_blocks():
+    """The scratch: one run of whole blocks per request, earlier tokens then the chunk's, then zeros to the block's end,
+    the lengths vLLM's kernel reads; the earlier tokens' buffer rows follow the requests in order."""
+    batch = cpu_prefill.plan_prompts([(4, 10, 12, 130), (2, 12, 112, 0), (0, 200, 201, 256)], 9, 3, 64, torch.float32)
+    bs = cpu_prefill.SCRATCH_BLOCK
+    assert batch.tokens.tolist() == [*range(10, 112), 200]  # not one run: an index
+    assert batch.query_start_loc.tolist() == [0, 2, 102, 103]
+    assert batch.seq_lens.tolist() == [132, 100, 257]
+    assert batch.requests == ((4, 130, 0), (2, 0, 130), (0, 256, 130))
+    assert batch.num_blocks == 2 + 1 + 3
+    assert batch.block_table[:, :3].tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    assert batch.earlier_slots.tolist() == [*range(0, 130), *range(3 * bs, 3 * bs + 256)]
+    assert batch.query_slots.tolist() == [130, 131, *range(2 * bs, 2 * bs + 100), 3 * bs + 256]
+    assert batch.pad_slots.tolist() == [*range(132, 2 * bs), *range(2 * bs + 100, 3 * bs), *range(3 * bs + 257, 6 * bs)]
