@@ -199,7 +199,7 @@ def prompt_times(plan, layers: list[int], batch: int, chunk: int, cached: int, g
         for s in (plan.slots[i] for i in layers)
     ]
     chunks = [(b, b * chunk, (b + 1) * chunk, cached) for b in range(batch)]
-    batch_plan = cpu_prefill.plan_prompts(chunks, HQ, hkv, d, torch.float32)  # once per step in the engine
+    batch_plan = cpu_prefill.plan_prompts(chunks, ptable, plan.block_size, HQ, hkv, d, torch.float32)  # once a step
 
     def leank_step() -> None:
         for layer in bound:

@@ -10,11 +10,12 @@ blocks per request: each request's earlier prompt tokens gathered from LeanK's p
 with vLLM's scheduler metadata for it (:func:`plan_prompts`, once per step in the metadata builder).
 
 The copy is the cost over plain vLLM: for a chunk after ``c`` cached prompt tokens, ``c`` rows gathered and written
-per layer; the attention itself is plain vLLM's.
+per layer, once for all the requests that share them (a prefix-cache hit); the attention itself is plain vLLM's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -25,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from . import kernels
 
-SCRATCH_BLOCK = 128  # tokens per block of the scratch pages (vLLM's CPU kernel takes multiples of 32)
+SCRATCH_BLOCK = 32  # tokens per block of the scratch pages at least (vLLM's CPU kernel takes multiples of 32)
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ class PromptBatch:
     """A step's prompt queries, laid out for vLLM's CPU attention: the same for every layer of the step."""
 
     tokens: slice | torch.Tensor  # where the queries are among the step's tokens (a slice when they are one run)
-    requests: tuple[tuple[int, int, int], ...]  # (request row, its earlier prompt tokens, their first buffer row)
-    earlier: int  # earlier prompt tokens of all requests together (the gather buffer's rows)
+    # the runs of earlier prompt tokens to gather: (request row, first token, tokens, first row in the gather buffer)
+    gathers: tuple[tuple[int, int, int, int], ...]
+    earlier: int  # the gather buffer's rows
     earlier_slots: torch.Tensor  # [earlier] int64: their scratch slots
     query_slots: torch.Tensor  # [queries] int64: the scratch slots of the chunks' own tokens
     pad_slots: torch.Tensor  # int64: the rest of each request's last block (zeros: vLLM's kernel reads whole tiles)
@@ -42,35 +44,67 @@ class PromptBatch:
     seq_lens: torch.Tensor  # [requests] int32: earlier tokens + the chunk's
     block_table: torch.Tensor  # [requests, blocks] int32, into the scratch
     num_blocks: int
+    block_size: int  # the scratch's: whole pages of LeanK's
+    page_block: int  # LeanK's
     isa: str
     scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
 
 
 def plan_prompts(
-    chunks: list[tuple[int, int, int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    chunks: list[tuple[int, int, int, int]],
+    packed_table: torch.Tensor,
+    page_block: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
 ) -> PromptBatch:
     """The :class:`PromptBatch` of a step's prompt chunks ``(request row, first token, end token, cached)``: the
-    queries ``[first, end)`` of the step at positions ``cached + i`` (their request's prompt goes on past them)."""
-    bs = SCRATCH_BLOCK
+    queries ``[first, end)`` of the step at positions ``cached + i`` (their request's prompt goes on past them), over
+    LeanK's pages of ``page_block`` tokens (``packed_table``: the step's packed block table, on the host).
+
+    Requests that share a cached prefix (vLLM's prefix cache gives them the same pages) share its scratch blocks
+    too: a scratch block of earlier tokens is keyed by the LeanK pages it copies, so a document that many requests
+    hit is gathered once per layer, not once per request, and vLLM's kernel reads it as plain vLLM reads its cached
+    blocks. (The packed pages identify the window pages too: vLLM hits a prefix in every KV cache group or none.)"""
+    bs = math.lcm(SCRATCH_BLOCK, page_block)
+    per = bs // page_block
     isa = _get_attn_isa(dtype, bs, head_dim, "auto")
-    requests, earlier_slots, query_slots, pad_slots, starts, lens, tables = [], [], [], [], [0], [], []
-    block = row = 0
+    shared: dict[tuple[int, ...], int] = {}
+    gathers, earlier_slots, query_slots, pad_slots, tables, starts, lens = [], [], [], [], [], [0], []
+    blocks = rows = 0
     for request, start, end, cached in chunks:
-        n = end - start
-        requests.append((request, cached, row))
-        earlier_slots.append(torch.arange(block * bs, block * bs + cached))
-        query_slots.append(torch.arange(block * bs + cached, block * bs + cached + n))
-        blocks = -(-(cached + n) // bs)
-        pad_slots.append(torch.arange(block * bs + cached + n, (block + blocks) * bs))
-        tables.append(torch.arange(block, block + blocks))
+        n, pages = end - start, packed_table[request].tolist()
+        length = cached + n
+        table = []
+        for j in range(-(-length // bs)):
+            lo, hi = j * bs, min((j + 1) * bs, cached)
+            if (j + 1) * bs <= cached:  # a whole block of earlier tokens: shared by every request with its pages
+                key = tuple(pages[j * per : (j + 1) * per])
+                if key in shared:
+                    table.append(shared[key])
+                    continue
+                shared[key] = blocks
+            table.append(blocks)
+            blocks += 1
+            if hi > lo:  # earlier tokens this request gathers itself (a run goes on from the last one)
+                if gathers and gathers[-1][0] == request and gathers[-1][1] + gathers[-1][2] == lo:
+                    gathers[-1] = (request, gathers[-1][1], gathers[-1][2] + hi - lo, gathers[-1][3])
+                else:
+                    gathers.append((request, lo, hi - lo, rows))
+                rows += hi - lo
+                earlier_slots.append(torch.arange(lo, hi) % bs + table[-1] * bs)
+        table_t = torch.tensor(table)
+        own = torch.arange(cached, length)
+        query_slots.append(table_t[own // bs] * bs + own % bs)
+        pad_slots.append(torch.arange(length, len(table) * bs) % bs + table[-1] * bs)
+        tables.append(table_t)
         starts.append(starts[-1] + n)
-        lens.append(cached + n)
-        block += blocks
-        row += cached
+        lens.append(length)
     width = max(t.numel() for t in tables)
-    table = torch.zeros(len(chunks), width, dtype=torch.int32)
+    block_table = torch.zeros(len(chunks), width, dtype=torch.int32)
     for i, t in enumerate(tables):
-        table[i, : t.numel()] = t
+        block_table[i, : t.numel()] = t
     contiguous = all(a[2] == b[1] for a, b in pairwise(chunks))
     tokens = (
         slice(chunks[0][1], chunks[-1][2])
@@ -94,9 +128,10 @@ def plan_prompts(
         dynamic_causal=None,
         kv_cache_dtype="auto",
     )
+    empty = torch.zeros(0, dtype=torch.long)
     return PromptBatch(
-        tokens, tuple(requests), row, torch.cat(earlier_slots), torch.cat(query_slots), torch.cat(pad_slots),
-        query_start_loc, seq_lens, table, block, isa, scheduler,
+        tokens, tuple(gathers), rows, torch.cat([empty, *earlier_slots]), torch.cat(query_slots), torch.cat(pad_slots),
+        query_start_loc, seq_lens, block_table, blocks, bs, page_block, isa, scheduler,
     )  # fmt: skip
 
 
@@ -112,8 +147,8 @@ def attend(
 ) -> None:
     """The prompt queries of ``batch`` among the step's ``q`` ``[n, Hq, D]`` (their K/V ``k``/``v`` ``[n, Hkv, D]``)
     attended over their requests' prompts with every channel, into ``out`` ``[n, Hq, D]``."""
-    heads, dim = k.shape[1], k.shape[2]
-    scratch = torch.empty(batch.num_blocks, heads, 2 * SCRATCH_BLOCK, dim, dtype=q.dtype)
+    heads, dim, bs = k.shape[1], k.shape[2], batch.block_size
+    scratch = torch.empty(batch.num_blocks, heads, 2 * bs, dim, dtype=q.dtype)
     key_cache, value_cache = scratch.chunk(2, dim=2)  # vLLM's CPU view of a block: K rows then V rows
 
     def put(kk: torch.Tensor, vv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -125,12 +160,12 @@ def attend(
         kk = torch.empty(batch.earlier, heads, dim, dtype=q.dtype)
         vv = torch.empty_like(kk)
         plan, slot, packed, window = bound.plan, bound.slot, bound.packed, bound.window
-        for request, cached, row in batch.requests:
-            if cached:
-                kernels.prompt_rows(
-                    plan, slot, packed, packed_table[request], window, window_table[request], cached,
-                    kk[row : row + cached], vv[row : row + cached], *bound.scales,
-                )  # fmt: skip
+        for request, first, n, row in batch.gathers:
+            page = first // batch.page_block  # a run starts at a scratch block, so at a page
+            kernels.prompt_rows(
+                plan, slot, packed, packed_table[request, page:], window, window_table[request, page:], n,
+                kk[row : row + n], vv[row : row + n], *bound.scales,
+            )  # fmt: skip
         put(kk, vv, batch.earlier_slots)
     sliced = isinstance(batch.tokens, slice)
     pick = (lambda t: t[batch.tokens]) if sliced else (lambda t: t.index_select(0, batch.tokens))

@@ -86,13 +86,16 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
         settings = settings_from(getattr(vllm_config, "additional_config", None))
         self.dense_prompt = settings is not None and settings.dense_prompt
         self.max_multi = max_multi_queries(vllm_config)
-        # (query heads, KV heads, head size, dtype) of vLLM's CPU attention over the step's prompt queries
-        self.cpu_prompts: tuple[int, int, int, torch.dtype] | None = None
+        # (LeanK's page block, query heads, KV heads, head size, dtype) of vLLM's CPU attention over the step's prompt
+        # queries
+        self.cpu_prompts: tuple[int, int, int, int, torch.dtype] | None = None
         plan = worker_plan(vllm_config)
         context = vllm_config.compilation_config.static_forward_context
         heads = {context[name].impl.num_heads for name in layer_names if hasattr(context.get(name), "impl")}
         if self.dense_prompt and torch.device(device).type == "cpu" and plan is not None and len(heads) == 1:
-            self.cpu_prompts = (heads.pop(), plan.num_kv_heads, plan.head_dim, vllm_config.model_config.dtype)
+            self.cpu_prompts = (
+                plan.block_size, heads.pop(), plan.num_kv_heads, plan.head_dim, vllm_config.model_config.dtype
+            )
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -130,7 +133,7 @@ class LeanKBuilder(AttentionMetadataBuilder[LeanKMetadata]):
                 multi = _multi_rows(num_decodes, few, cm.seq_lens)
             chunks = [(row, start, split, cached) for row, start, split, _, cached in extends if split > start]
             if chunks and self.cpu_prompts is not None:
-                batch = plan_prompts(chunks, *self.cpu_prompts)
+                batch = plan_prompts(chunks, cm.block_table_tensor, *self.cpu_prompts)
         return LeanKMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_decodes=num_decodes,

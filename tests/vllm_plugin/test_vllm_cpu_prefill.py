@@ -57,7 +57,7 @@ def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap):
     lengths = [40, 350, 100, 30]
     chunks = [(1, 300, 50), (0, 37, 1), (2, 0, 100), (3, 1, 20)]
     pg, q, k, v, rows = step(lengths, chunks, gap, dtype, fp8, seed=3)
-    batch = cpu_prefill.plan_prompts(rows, 9, 3, 64, q.dtype)
+    batch = cpu_prefill.plan_prompts(rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
     assert isinstance(batch.tokens, slice) == (gap == 0)
     bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE, pg.k_scale, pg.v_scale, pg.fp8)
     out = torch.full_like(q, 5.0)
@@ -76,7 +76,7 @@ def test_each_request_reads_its_own_blocks():
     """Two requests with the same earlier length and different pages: swapping their tables swaps their outputs (the
     gather follows each request's row of the tables, the scratch keeps the requests apart)."""
     pg, q, k, v, rows = step([64, 64], [(0, 48, 8), (1, 48, 8)], 0, torch.float32, None, seed=5)
-    batch = cpu_prefill.plan_prompts(rows, 9, 3, 64, q.dtype)
+    batch = cpu_prefill.plan_prompts(rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
     bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE)
     out, swapped = torch.zeros_like(q), torch.zeros_like(q)
     cpu_prefill.attend(batch, bound, q, k, v, out, pg.packed_table, pg.window_table)
@@ -90,17 +90,53 @@ def test_each_request_reads_its_own_blocks():
     assert not torch.allclose(out[2:18], swapped[2:18])
 
 
+def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks():
+    """Requests whose tables share their first pages (a prefix-cache hit) gather those tokens once, into scratch blocks
+    they all read; the tokens after the shared pages each request gathers itself; every query still equals causal
+    attention over its own request's tokens."""
+    pg, q, k, v, rows = step([300, 300, 300], [(0, 256, 10), (1, 256, 20), (2, 200, 5)], 0, torch.float32, None, 7)
+    packed_table, window_table = pg.packed_table.clone(), pg.window_table.clone()
+    for request, pages in ((1, 16), (2, 8)):  # request 1 shares 256 tokens with request 0, request 2 128
+        packed_table[request, :pages] = packed_table[0, :pages]
+        window_table[request, :pages] = window_table[0, :pages]
+    batch = cpu_prefill.plan_prompts(rows, packed_table, 16, 9, 3, 64, q.dtype)
+    assert batch.earlier == 256 + 72 and batch.gathers == ((0, 0, 256, 0), (2, 128, 72, 256))
+    bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE)
+    out = torch.zeros_like(q)
+    cpu_prefill.attend(batch, bound, q, k, v, out, packed_table, window_table)
+    owner = {0: [(0, 256)], 1: [(0, 256)], 2: [(0, 128), (2, 200)]}  # whose keys each request's earlier tokens are
+    for request, start, end, cached in rows:
+        parts, at = [], 0
+        for source, upto in owner[request]:
+            parts.append(pg.keys[source][at:upto])
+            at = upto
+        keys = torch.cat([*parts, k[start:end]])
+        parts, at = [], 0
+        for source, upto in owner[request]:
+            parts.append(pg.values[source][at:upto])
+            at = upto
+        values = torch.cat([*parts, v[start:end]])
+        torch.testing.assert_close(out[start:end].double(), causal(q[start:end], keys, values, cached), atol=2e-5,
+                                   rtol=2e-5)  # fmt: skip
+
+
 def test_the_batch_lays_each_request_out_in_whole_blocks():
-    """The scratch: one run of whole blocks per request, earlier tokens then the chunk's, then zeros to the block's end,
-    the lengths vLLM's kernel reads; the earlier tokens' buffer rows follow the requests in order."""
-    batch = cpu_prefill.plan_prompts([(4, 10, 12, 130), (2, 12, 112, 0), (0, 200, 201, 256)], 9, 3, 64, torch.float32)
-    bs = cpu_prefill.SCRATCH_BLOCK
-    assert batch.tokens.tolist() == [*range(10, 112), 200]  # not one run: an index
-    assert batch.query_start_loc.tolist() == [0, 2, 102, 103]
-    assert batch.seq_lens.tolist() == [132, 100, 257]
-    assert batch.requests == ((4, 130, 0), (2, 0, 130), (0, 256, 130))
-    assert batch.num_blocks == 2 + 1 + 3
-    assert batch.block_table[:, :3].tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
-    assert batch.earlier_slots.tolist() == [*range(0, 130), *range(3 * bs, 3 * bs + 256)]
-    assert batch.query_slots.tolist() == [130, 131, *range(2 * bs, 2 * bs + 100), 3 * bs + 256]
-    assert batch.pad_slots.tolist() == [*range(132, 2 * bs), *range(2 * bs + 100, 3 * bs), *range(3 * bs + 257, 6 * bs)]
+    """The scratch: one run of whole blocks per request (32 tokens: two pages of 16), earlier tokens then the chunk's,
+    then zeros to the block's end, the lengths vLLM's kernel reads; a whole block of earlier tokens whose pages another
+    request's block has is that block; the gather runs follow the requests in order."""
+    pages = torch.arange(6 * 20, dtype=torch.int32).view(6, 20) + 1  # every request its own pages...
+    pages[5, :4] = pages[0, :4]  # ...but request 5's first 64 tokens are request 0's
+    chunks = [(4, 10, 12, 130), (2, 12, 112, 0), (0, 200, 201, 256), (5, 301, 302, 64)]
+    batch = cpu_prefill.plan_prompts(chunks, pages, 16, 9, 3, 64, torch.float32)
+    assert batch.block_size == 32 and batch.num_blocks == 5 + 4 + 9 + 1
+    assert batch.tokens.tolist() == [*range(10, 112), 200, 301]  # not one run: an index
+    assert batch.query_start_loc.tolist() == [0, 2, 102, 103, 104]
+    assert batch.seq_lens.tolist() == [132, 100, 257, 65]
+    assert batch.gathers == ((4, 0, 130, 0), (0, 0, 256, 130))
+    assert batch.block_table.tolist() == [
+        [0, 1, 2, 3, 4, 0, 0, 0, 0], [5, 6, 7, 8, 0, 0, 0, 0, 0], [*range(9, 18)], [9, 10, 18, 0, 0, 0, 0, 0, 0]
+    ]
+    assert batch.earlier_slots.tolist() == [*range(0, 130), *range(9 * 32, 9 * 32 + 256)]
+    assert batch.query_slots.tolist() == [130, 131, *range(160, 260), 17 * 32, 18 * 32]
+    assert batch.pad_slots.tolist() == [*range(132, 160), *range(260, 288), *range(17 * 32 + 1, 18 * 32),
+                                        *range(18 * 32 + 1, 19 * 32)]  # fmt: skip
