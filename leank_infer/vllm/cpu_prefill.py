@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from . import kernels
 
-SCRATCH_BLOCK = 32  # tokens per block of the scratch pages at least (vLLM's CPU kernel takes multiples of 32)
+SCRATCH_BLOCK = 128  # tokens per block of the scratch pages at least (vLLM's CPU default; its kernel takes multiples of 32)
 
 
 @dataclass(frozen=True)

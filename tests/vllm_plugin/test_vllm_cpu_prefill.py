@@ -121,22 +121,19 @@ def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks():
 
 
 def test_the_batch_lays_each_request_out_in_whole_blocks():
-    """The scratch: one run of whole blocks per request (32 tokens: two pages of 16), earlier tokens then the chunk's,
-    then zeros to the block's end, the lengths vLLM's kernel reads; a whole block of earlier tokens whose pages another
-    request's block has is that block; the gather runs follow the requests in order."""
+    """The scratch: one run of whole blocks per request (128 tokens: eight pages of 16), earlier tokens then the
+    chunk's, then zeros to the block's end, the lengths vLLM's kernel reads; a whole block of earlier tokens whose pages
+    another request's block has is that block; the gather runs follow the requests in order."""
     pages = torch.arange(6 * 20, dtype=torch.int32).view(6, 20) + 1  # every request its own pages...
-    pages[5, :4] = pages[0, :4]  # ...but request 5's first 64 tokens are request 0's
-    chunks = [(4, 10, 12, 130), (2, 12, 112, 0), (0, 200, 201, 256), (5, 301, 302, 64)]
+    pages[5, :8] = pages[0, :8]  # ...but request 5's first 128 tokens are request 0's
+    chunks = [(4, 10, 12, 130), (2, 12, 112, 0), (0, 200, 201, 256), (5, 301, 302, 128)]
     batch = cpu_prefill.plan_prompts(chunks, pages, 16, 9, 3, 64, torch.float32)
-    assert batch.block_size == 32 and batch.num_blocks == 5 + 4 + 9 + 1
+    assert batch.block_size == 128 and batch.num_blocks == 2 + 1 + 3 + 1
     assert batch.tokens.tolist() == [*range(10, 112), 200, 301]  # not one run: an index
     assert batch.query_start_loc.tolist() == [0, 2, 102, 103, 104]
-    assert batch.seq_lens.tolist() == [132, 100, 257, 65]
+    assert batch.seq_lens.tolist() == [132, 100, 257, 129]
     assert batch.gathers == ((4, 0, 130, 0), (0, 0, 256, 130))
-    assert batch.block_table.tolist() == [
-        [0, 1, 2, 3, 4, 0, 0, 0, 0], [5, 6, 7, 8, 0, 0, 0, 0, 0], [*range(9, 18)], [9, 10, 18, 0, 0, 0, 0, 0, 0]
-    ]
-    assert batch.earlier_slots.tolist() == [*range(0, 130), *range(9 * 32, 9 * 32 + 256)]
-    assert batch.query_slots.tolist() == [130, 131, *range(160, 260), 17 * 32, 18 * 32]
-    assert batch.pad_slots.tolist() == [*range(132, 160), *range(260, 288), *range(17 * 32 + 1, 18 * 32),
-                                        *range(18 * 32 + 1, 19 * 32)]  # fmt: skip
+    assert batch.block_table.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5], [3, 6, 0]]
+    assert batch.earlier_slots.tolist() == [*range(0, 130), *range(384, 640)]
+    assert batch.query_slots.tolist() == [130, 131, *range(256, 356), 640, 768]
+    assert batch.pad_slots.tolist() == [*range(132, 256), *range(356, 384), *range(641, 768), *range(769, 896)]
