@@ -308,3 +308,14 @@ def test_min_kept_takes_the_total_nearest_the_budget(n, ratio, kept):
     s = torch.arange(float(n)).view(1, 1, n)
     keep = binarize(s, ratio, 1, min_kept=1)[0, 0]
     assert keep.tolist() == [False] * (n - kept) + [True] * kept
+
+
+@pytest.mark.parametrize("bad", [[[]], [1, "a"], [0, 3], [True], "01", 5], ids=repr)
+def test_dense_layers_that_are_not_layer_indices_get_one_mask_error(bad):
+    """A config's dense_layers holding a list, a string, an index out of range or a bool (or being no list at all) is
+    one MaskError naming it, never a TypeError from sorting or hashing; good indices come back sorted and distinct."""
+    from leank_infer.mask.layers import check_dense_layers
+
+    with pytest.raises(MaskError, match="dense_layers must be"):
+        check_dense_layers(bad, 3)
+    assert check_dense_layers([2, 0, 2], 3) == (0, 2)

@@ -53,8 +53,8 @@ def check_dense_layers(dense_layers: Any, num_layers: int) -> tuple[int, ...]:
     """``dense_layers`` as a sorted tuple of distinct layer indices, or MaskError."""
     if isinstance(dense_layers, (str, bytes)) or not hasattr(dense_layers, "__iter__"):
         raise MaskError(f"dense_layers must be a list of layer indices, got {dense_layers!r}")
-    out = tuple(sorted(set(dense_layers)))
-    bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    items = list(dense_layers)  # checked before sorting: a list or a string among them cannot be sorted or hashed
+    bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
     if bad:
         raise MaskError(f"dense_layers must be layer indices in [0, {num_layers}), got {bad}")
-    return out
+    return tuple(sorted(set(items)))
