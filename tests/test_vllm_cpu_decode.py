@@ -355,6 +355,17 @@ def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, th
         assert torch.equal(k[:n], want_k) and torch.equal(v[:n], want_v)
         assert torch.equal(k[:n], pg.keys[b]) and torch.equal(v[:n], pg.values[b])
         assert (k[n:] == -7.0).all() and (v[n:] == -7.0).all()  # nothing written past the n tokens
+        # paged: vLLM's CPU page layout (K transposed in a block, V rows), blocks of 8 in shuffled order
+        blocks = -(-n // 8)
+        out_table = torch.randperm(blocks + 2, generator=torch.Generator().manual_seed(n))[:blocks].int()
+        scratch = torch.full((blocks + 2, 3, 16, 16), -7.0, dtype=dtype)
+        kp = scratch.as_strided((blocks + 2, 3, 8, 16), (scratch.stride(0), scratch.stride(1), 1, 8))
+        vp = scratch[:, :, 8:]
+        cpu_decode.gather(*tables[:2], *tables[2:], n, pg.slot, kp, vp, out_table)
+        t = torch.arange(n)
+        at = (out_table[t // 8].long(), slice(None), t % 8)
+        assert torch.equal(kp[at[0], :, at[2]], want_k) and torch.equal(vp[at[0], :, at[2]], want_v)
+        assert int((scratch == -7.0).sum()) == scratch.numel() - 2 * want_k.numel()  # nothing else written
         first = n // 2  # a chunk from the middle of the prompt on: its own K/V follow the gathered ones
         new_k, new_v = pg.keys[b][first:] * 2, pg.values[b][first:] * 2
         got = kernels.prompt_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype)
@@ -379,6 +390,12 @@ def test_the_prompt_gather_leaves_fp8_and_odd_pages_to_pytorch(monkeypatch):
     with pytest.raises(ValueError, match="contiguous K/V"):
         cpu_decode.gather(fp.packed, fp.packed_table[0], fp.window, fp.window_table[0], 40, fp.slot,
                           torch.empty(39, 3, 16), torch.empty(39, 3, 16))  # fmt: skip
+    pages = torch.empty(4, 3, 16, 16)
+    for table in ([0, 1, 2], [0, 1], [0, 1, 4]):  # int64; 40 tokens in blocks of 16 need three; block 4 is not there
+        table = torch.tensor(table, dtype=torch.int64 if len(table) == 3 and table[-1] == 2 else torch.int32)
+        with pytest.raises(ValueError, match="int32 table of their blocks for 40 tokens"):
+            cpu_decode.gather(fp.packed, fp.packed_table[0], fp.window, fp.window_table[0], 40, fp.slot, pages,
+                              pages, table)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -75,11 +75,18 @@ class LeanKAttentionMixin:
             return
         check_engine(config)
         self.check_platform(config)
-        if getattr(self, "logits_soft_cap", None):  # vLLM spells "none" 0 (CPU) or None
-            raise MaskError(
-                "LeanK serving does not support attention logit soft-capping on full-attention layers "
-                f"(this layer's cap: {self.logits_soft_cap})"
+        refused = [  # what the LeanK kernels do not apply: serving on without it would give other tokens
+            what
+            for what, used in (
+                (f"attention logit soft-capping (cap {getattr(self, 'logits_soft_cap', None)})",
+                 bool(getattr(self, "logits_soft_cap", None))),  # vLLM spells "none" 0 (CPU) or None
+                ("ALiBi position biases", getattr(self, "alibi_slopes", None) is not None),
+                ("attention sinks (a learned logit per head, as gpt-oss has)", getattr(self, "sinks", None) is not None),
             )
+            if used
+        ]  # fmt: skip
+        if refused:
+            raise MaskError(f"LeanK serving does not support {' or '.join(refused)} on full-attention layers")
         self.fp8 = _FP8.get(config.cache_config.cache_dtype)
 
     def check_platform(self, vllm_config: Any) -> None:

@@ -609,42 +609,51 @@ extern "C" int leank_cpu_write(const WArgs *A) {
     }
 }
 
-// A request's tokens [0, n) with every channel, as dense K and V rows [n, HD] of the pages' dtype (what
-// paged_reference.full_rows does in PyTorch with four copies): the dense-prompt rule's prompt chunk reads every
-// earlier prompt token. Element j of a token's K | V row is its packed row's column src[j] when src[j] < width,
-// else its rest row's column src[j] - width (PackedLayout.full_columns). Tokens split over the threads.
+// A request's tokens [0, n) with every channel, as K and V of the pages' dtype (what paged_reference.full_rows does
+// in PyTorch with four copies): the dense-prompt rule's prompt chunk reads every earlier prompt token. Element j of
+// a token's K | V row is its packed row's column src[j] when src[j] < width, else its rest row's column
+// src[j] - width (PackedLayout.full_columns). The output is paged: token t goes to block out_table[t / out_block],
+// place t % out_block, element (head h, channel d) at block * s[0] + h * s[1] + place * s[2] + d * s[3] (ks for K,
+// vs for V): dense rows [n, H, D] are one block with strides (0, D, H * D, 1); vLLM's CPU pages hold K transposed
+// in a block. Tokens split over the threads.
 struct GArgs {  // mirrored by _GArgs in cpu_decode.py: keep the order
-    int64_t n, HD, block_size, elem, threads;
+    int64_t n, H, D, block_size, elem, threads;
     void *k, *v;
     const void *packed, *window;
     int64_t packed_block_stride, packed_row, window_block_stride, window_row;
     const int32_t *packed_table, *window_table;
     const int64_t *src;
     int64_t width;
+    const int32_t *out_table;
+    int64_t out_block;
+    int64_t ks[4], vs[4];
 };
 
 template <class T>
 static void gather_rows(const GArgs &A) {
-    const int64_t bs = A.block_size, HD = A.HD, W = A.width;
+    const int64_t bs = A.block_size, H = A.H, D = A.D, HD = H * D, W = A.width;
     const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < A.n; t++) {
         const T *p = (const T *)A.packed + (int64_t)A.packed_table[t / bs] * A.packed_block_stride + (t % bs) * A.packed_row;
         const T *w = (const T *)A.window + (int64_t)A.window_table[t / bs] * A.window_block_stride + (t % bs) * A.window_row;
-        T *k = (T *)A.k + t * HD, *v = (T *)A.v + t * HD;
-        for (int64_t j = 0; j < HD; j++) {
-            const int64_t s = A.src[j];
-            k[j] = s < W ? p[s] : w[s - W];
-        }
-        for (int64_t j = 0; j < HD; j++) {
-            const int64_t s = A.src[HD + j];
-            v[j] = s < W ? p[s] : w[s - W];
+        const int64_t block = A.out_table[t / A.out_block], place = t % A.out_block;
+        T *k = (T *)A.k + block * A.ks[0] + place * A.ks[2], *v = (T *)A.v + block * A.vs[0] + place * A.vs[2];
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t s = A.src[h * D + d];
+                k[h * A.ks[1] + d * A.ks[3]] = s < W ? p[s] : w[s - W];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t s = A.src[HD + h * D + d];
+                v[h * A.vs[1] + d * A.vs[3]] = s < W ? p[s] : w[s - W];
+            }
         }
     }
 }
 
 extern "C" int leank_cpu_gather(const GArgs *A) {
-    if (A->block_size <= 0 || A->n < 0 || A->HD <= 0 || A->threads < 1) return 2;
+    if (A->block_size <= 0 || A->n < 0 || A->H <= 0 || A->D <= 0 || A->threads < 1 || A->out_block <= 0) return 2;
     switch (A->elem) {
         case 4: gather_rows<uint32_t>(*A); return 0;
         case 2: gather_rows<uint16_t>(*A); return 0;

@@ -122,7 +122,7 @@ class _GArgs(ctypes.Structure):
     """The gather's ``struct GArgs`` (cpu_decode.cpp), field for field."""
 
     _fields_ = [
-        *[(n, ctypes.c_int64) for n in ("n", "HD", "block_size", "elem", "threads")],
+        *[(n, ctypes.c_int64) for n in ("n", "H", "D", "block_size", "elem", "threads")],
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
         *_PAGES,
@@ -130,6 +130,10 @@ class _GArgs(ctypes.Structure):
         ("window_table", ctypes.c_void_p),
         ("src", ctypes.c_void_p),
         ("width", ctypes.c_int64),
+        ("out_table", ctypes.c_void_p),
+        ("out_block", ctypes.c_int64),
+        ("ks", ctypes.c_int64 * 4),
+        ("vs", ctypes.c_int64 * 4),
     ]
 
 
@@ -247,23 +251,45 @@ def gather(
     slot: LayerSlot,
     k: torch.Tensor,
     v: torch.Tensor,
+    out_table: torch.Tensor | None = None,
 ) -> None:
     """:func:`leank_infer.vllm.paged_reference.full_rows` of a request's tokens ``[0, n)`` in one call, into ``k`` and
-    ``v`` (``[>= n, Hkv, D]`` contiguous, the pages' dtype): every token's packed row and rest row put together
-    (its window block must be real, as every prompt block is under the dense-prompt rule while it is computed)."""
+    ``v`` (the pages' dtype): every token's packed row and rest row put together (its window block must be real, as
+    every prompt block is under the dense-prompt rule while it is computed). ``k``/``v`` are dense rows
+    ``[>= n, Hkv, D]``, contiguous; or, with ``out_table`` (int32), pages ``[blocks, Hkv, block, D]`` of any strides
+    (vLLM's CPU pages, K transposed in a block), token ``t`` at place ``t % block`` of block ``out_table[t // block]``."""
     if not available():
         raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
-    if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == packed.dtype and k.shape[0] >= n):
-        raise ValueError(f"gather needs contiguous K/V of {packed.dtype} with {n} rows, got {k.dtype} {tuple(k.shape)}")
+    if out_table is None:
+        if not (k.dim() == v.dim() == 3 and k.is_contiguous() and v.is_contiguous() and min(k.shape[0], v.shape[0]) >= n):
+            raise ValueError(f"gather needs contiguous K/V rows [>= {n}, Hkv, D], got {tuple(k.shape)} {tuple(v.shape)}")
+        k, v = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)  # one block of every row
+        out_table = torch.zeros(1, dtype=torch.int32)
+    blocks = -(-n // max(k.shape[2], 1))
+    ok = k.dim() == 4 and k.shape == v.shape and out_table.dtype == torch.int32 and out_table.is_contiguous()
+    if ok and blocks:
+        ok = out_table.numel() >= blocks and 0 <= int(out_table[:blocks].min()) <= int(out_table[:blocks].max()) < k.shape[0]
+    if not ok:
+        raise ValueError(
+            f"gather's paged K/V need one shape [blocks, Hkv, block, D] and an int32 table of their blocks for {n} "
+            f"tokens, got K {tuple(k.shape)}, V {tuple(v.shape)}, table {out_table.dtype} {tuple(out_table.shape)}"
+        )
+    if not (k.dtype == v.dtype == packed.dtype and 2 * k.shape[1] * k.shape[3] == slot.layout.full_columns.numel()):
+        raise ValueError(f"gather needs K/V of {packed.dtype} with this layer's heads and channels, got {k.dtype} "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if n == 0:
+        return
     src = _per_slot(_gather_cache, slot, lambda s: s.layout.full_columns.to("cpu", torch.int64).contiguous())
     ptable, wtable = _table(packed_table), _table(window_table)
     a = _GArgs()
-    a.n, a.HD, a.block_size, a.elem = n, k.shape[1] * k.shape[2], packed.shape[1], packed.element_size()
+    a.n, a.H, a.D, a.block_size, a.elem = n, k.shape[1], k.shape[3], packed.shape[1], packed.element_size()
     a.threads = torch.get_num_threads()
     a.k, a.v = k.data_ptr(), v.data_ptr()
     _set_pages(a, packed, window, slot)
     a.packed_table, a.window_table = ptable.data_ptr(), wtable.data_ptr()
     a.src, a.width = src.data_ptr(), slot.layout.width
+    a.out_table, a.out_block = out_table.data_ptr(), k.shape[2]
+    a.ks[:], a.vs[:] = k.stride(), v.stride()
     if LIBRARY.lib.leank_cpu_gather(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU gather got bad arguments ({n} tokens for {slot.layout})")
 

@@ -15,6 +15,7 @@ per layer, once for all the requests that share them (a prefix-cache hit); the a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from itertools import pairwise
@@ -24,7 +25,7 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from . import kernels
+from . import cpu_decode, kernels
 
 SCRATCH_BLOCK = 128  # tokens per block of the scratch pages at least (vLLM's CPU default; its kernel takes multiples of 32)
 
@@ -36,6 +37,7 @@ class PromptBatch:
     tokens: slice | torch.Tensor  # where the queries are among the step's tokens (a slice when they are one run)
     # the runs of earlier prompt tokens to gather: (request row, first token, tokens, first row in the gather buffer)
     gathers: tuple[tuple[int, int, int, int], ...]
+    gather_blocks: tuple[torch.Tensor, ...]  # int32: each run's scratch blocks (a run starts at a block)
     earlier: int  # the gather buffer's rows
     earlier_slots: torch.Tensor  # [earlier] int64: their scratch slots
     query_slots: torch.Tensor  # [queries] int64: the scratch slots of the chunks' own tokens
@@ -48,6 +50,31 @@ class PromptBatch:
     page_block: int  # LeanK's
     isa: str
     scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
+    direct: bool  # vLLM's pages hold a block as :func:`pages` reads them: the library gathers straight into them
+
+
+def pages(scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of vLLM's CPU pages ``scratch`` ``[blocks, Hkv, 2 * block, D]`` as ``[blocks, Hkv, block, D]`` views,
+    as its ``vec`` kernels lay a block out: K transposed (``[D, block]`` per head), then V rows (``[block, D]``)."""
+    blocks, heads, twice, dim = scratch.shape
+    bs, (s0, s1, _, _) = twice // 2, scratch.stride()
+    return scratch.as_strided((blocks, heads, bs, dim), (s0, s1, 1, bs)), scratch[:, :, bs:]
+
+
+@functools.cache
+def vllm_layout_is_known(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether vLLM's ``cpu_attn_reshape_and_cache`` lays a block out as :func:`pages` reads it, for this ISA, dtype and
+    shape: asked of vLLM itself once per process (its ``vec`` and ``vec16`` kernels do; AMX and NEON pack K
+    otherwise, and then a step copies through a buffer and vLLM's write)."""
+    k = (torch.arange(block_size * 2 * head_dim) % 251).view(block_size, 2, head_dim).to(dtype)  # exact in 16 bits
+    v = k.flip(0)
+    scratch = torch.zeros(1, 2, 2 * block_size, head_dim, dtype=dtype)
+    key_cache, value_cache = scratch.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        k, v, key_cache, value_cache, torch.arange(block_size), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
+    kk, vv = pages(scratch)
+    return torch.equal(kk[0].transpose(0, 1), k) and torch.equal(vv[0].transpose(0, 1), v)
 
 
 def plan_prompts(
@@ -128,10 +155,12 @@ def plan_prompts(
         dynamic_causal=None,
         kv_cache_dtype="auto",
     )
-    empty = torch.zeros(0, dtype=torch.long)
+    earlier_slots = torch.cat([torch.zeros(0, dtype=torch.long), *earlier_slots])
+    gather_blocks = tuple((earlier_slots[row : row + n : bs] // bs).int() for _, _, n, row in gathers)
     return PromptBatch(
-        tokens, tuple(gathers), rows, torch.cat([empty, *earlier_slots]), torch.cat(query_slots), torch.cat(pad_slots),
+        tokens, tuple(gathers), gather_blocks, rows, earlier_slots, torch.cat(query_slots), torch.cat(pad_slots),
         query_start_loc, seq_lens, block_table, blocks, bs, page_block, isa, scheduler,
+        vllm_layout_is_known(isa, dtype, bs, head_dim),
     )  # fmt: skip
 
 
@@ -156,7 +185,16 @@ def attend(
             kk, vv, key_cache, value_cache, slots, batch.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
         )
 
-    if batch.earlier:
+    direct = batch.direct and cpu_decode.supports_gather(bound.packed, bound.window, q.dtype) and cpu_decode.available()
+    if batch.earlier and direct:  # one pass: the library writes vLLM's page layout itself
+        kp, vp = pages(scratch)
+        for (request, first, n, _), blocks in zip(batch.gathers, batch.gather_blocks, strict=True):
+            page = first // batch.page_block  # a run starts at a scratch block, so at a page
+            cpu_decode.gather(
+                bound.packed, packed_table[request, page:], bound.window, window_table[request, page:], n, bound.slot,
+                kp, vp, blocks,
+            )  # fmt: skip
+    elif batch.earlier:  # the library's (or PyTorch's) rows, then vLLM's write
         kk = torch.empty(batch.earlier, heads, dim, dtype=q.dtype)
         vv = torch.empty_like(kk)
         plan, slot, packed, window = bound.plan, bound.slot, bound.packed, bound.window

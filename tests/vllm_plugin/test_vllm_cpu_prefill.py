@@ -46,18 +46,38 @@ def step(lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype
     return pg, q, k, v, rows
 
 
+@pytest.fixture(params=["direct", "buffer"])
+def path(request, monkeypatch):
+    """How the earlier tokens reach the scratch: the library's gather straight into vLLM's page layout, or (where vLLM
+    lays its pages out otherwise: AMX, NEON) gathered rows written by vLLM's own reshape_and_cache."""
+    if request.param == "buffer":
+        monkeypatch.setattr(cpu_prefill, "vllm_layout_is_known", lambda *a: False)
+    return request.param
+
+
+def planned(path, monkeypatch, fp8, *args) -> cpu_prefill.PromptBatch:  # noqa: ANN001
+    """``plan_prompts(*args)``; on the direct path (where this CPU's vLLM has the layout) nothing may take the buffer."""
+    batch = cpu_prefill.plan_prompts(*args)
+    if path == "direct" and not batch.direct:
+        pytest.skip("vLLM lays this CPU's pages out otherwise (AMX or NEON): only the buffer path runs here")
+    if path == "direct" and fp8 is None:  # fp8 pages need their scales: PyTorch's gather, through the buffer
+        monkeypatch.setattr(kernels, "prompt_rows", lambda *a: pytest.fail("the buffer path ran"))
+    assert batch.direct == (path == "direct")
+    return batch
+
+
 @pytest.mark.parametrize(
     "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "e4m3")], ids=["fp32", "bf16", "fp8"]
 )
 @pytest.mark.parametrize("gap", [0, 3], ids=["one-run", "apart"])
-def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap):
+def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap, path, monkeypatch):
     """Chunks after 0, 1, 37 and 300 cached prompt tokens (a one-token chunk among them), in one step, in one run of
     the step's tokens or apart: each query equals causal attention over its request's earlier tokens (every channel,
     from the pages) and the step's own K/V; every other row of the output stays as it was."""
     lengths = [40, 350, 100, 30]
     chunks = [(1, 300, 50), (0, 37, 1), (2, 0, 100), (3, 1, 20)]
     pg, q, k, v, rows = step(lengths, chunks, gap, dtype, fp8, seed=3)
-    batch = cpu_prefill.plan_prompts(rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
+    batch = planned(path, monkeypatch, fp8, rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
     assert isinstance(batch.tokens, slice) == (gap == 0)
     bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE, pg.k_scale, pg.v_scale, pg.fp8)
     out = torch.full_like(q, 5.0)
@@ -90,7 +110,7 @@ def test_each_request_reads_its_own_blocks():
     assert not torch.allclose(out[2:18], swapped[2:18])
 
 
-def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks():
+def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks(path, monkeypatch):
     """Requests whose tables share their first pages (a prefix-cache hit) gather those tokens once, into scratch blocks
     they all read; the tokens after the shared pages each request gathers itself; every query still equals causal
     attention over its own request's tokens."""
@@ -99,8 +119,9 @@ def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks():
     for request, pages in ((1, 16), (2, 8)):  # request 1 shares 256 tokens with request 0, request 2 128
         packed_table[request, :pages] = packed_table[0, :pages]
         window_table[request, :pages] = window_table[0, :pages]
-    batch = cpu_prefill.plan_prompts(rows, packed_table, 16, 9, 3, 64, q.dtype)
+    batch = planned(path, monkeypatch, None, rows, packed_table, 16, 9, 3, 64, q.dtype)
     assert batch.earlier == 256 + 72 and batch.gathers == ((0, 0, 256, 0), (2, 128, 72, 256))
+    assert [b.tolist() for b in batch.gather_blocks] == [[0, 1], [4]]  # request 0's two blocks; request 2's third
     bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE)
     out = torch.zeros_like(q)
     cpu_prefill.attend(batch, bound, q, k, v, out, packed_table, window_table)
@@ -133,7 +154,25 @@ def test_the_batch_lays_each_request_out_in_whole_blocks():
     assert batch.query_start_loc.tolist() == [0, 2, 102, 103, 104]
     assert batch.seq_lens.tolist() == [132, 100, 257, 129]
     assert batch.gathers == ((4, 0, 130, 0), (0, 0, 256, 130))
+    assert [b.tolist() for b in batch.gather_blocks] == [[0, 1], [3, 4]]
     assert batch.block_table.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5], [3, 6, 0]]
     assert batch.earlier_slots.tolist() == [*range(0, 130), *range(384, 640)]
     assert batch.query_slots.tolist() == [130, 131, *range(256, 356), 640, 768]
     assert batch.pad_slots.tolist() == [*range(132, 256), *range(356, 384), *range(641, 768), *range(769, 896)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_the_page_layout_is_vllms_own(dtype, head_dim, monkeypatch):
+    """cpu_prefill.pages reads a block as vLLM's vec and vec16 kernels write it (asked of vLLM's reshape_and_cache);
+    a layout read otherwise (K not transposed) is not taken for vLLM's, so such a CPU takes the buffer path."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, 128, head_dim, "auto")
+    cpu_prefill.vllm_layout_is_known.cache_clear()
+    assert cpu_prefill.vllm_layout_is_known(isa, dtype, 128, head_dim) == (isa in ("vec", "vec16"))
+    rows = lambda s: (s[:, :, : s.shape[2] // 2], s[:, :, s.shape[2] // 2 :])  # noqa: E731 - K rows, not transposed
+    monkeypatch.setattr(cpu_prefill, "pages", rows)
+    cpu_prefill.vllm_layout_is_known.cache_clear()
+    assert not cpu_prefill.vllm_layout_is_known(isa, dtype, 128, head_dim)
+    cpu_prefill.vllm_layout_is_known.cache_clear()
