@@ -64,6 +64,20 @@ def median_us(fn, budget_s: float = 0.4, min_reps: int = 5, max_reps: int = 200)
     return 1e6 * statistics.median(times)
 
 
+def alternate(sides: dict, reps: int) -> dict[str, float]:
+    """Median :func:`clock` milliseconds of each side's call over ``reps`` rounds, after one warm-up call each; in a
+    round the sides run one after the other, so that a loaded machine slows them alike."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in sides.items():
+            t = clock()
+            fn()
+            times[k].append(1e3 * (clock() - t))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
     """vLLM's CPU decode attention over dense pages of ``batch`` requests of ``context`` tokens, as a closure."""
     from vllm import _custom_ops as ops
@@ -137,15 +151,8 @@ def gather_times(plan, layers: list[int], n: int, g: torch.Generator) -> tuple[f
         "torch": lambda: [request_kv(*args(c), whole=True) for c in calls],
         "library": lambda: [kernels.prompt_kv(*args(c)) for c in calls],
     }
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for fn in sides.values():
-        fn()
-    for _ in range(7):
-        for k, fn in sides.items():
-            t = clock()
-            fn()
-            times[k].append(1e3 * (clock() - t))
-    out = (statistics.median(times["torch"]), statistics.median(times["library"]))
+    med = alternate(sides, 7)
+    out = (med["torch"], med["library"])
     print(f"prompt gather of {n} tokens, {len(layers)} layers: PyTorch {out[0]:.1f} ms, library {out[1]:.1f} ms")
     return out
 
@@ -214,16 +221,7 @@ def prompt_times(plan, layers: list[int], batch: int, chunk: int, cached: int, g
                 )  # fmt: skip
                 out[start:end] = kernels.dense_prefill(q[start:end], kk, vv, first, d**-0.5)
 
-    sides = {"vllm": vllm_step, "leank": leank_step, "sdpa": sdpa_step}
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for fn in sides.values():
-        fn()
-    for _ in range(5):
-        for name, fn in sides.items():
-            t = clock()
-            fn()
-            times[name].append(1e3 * (clock() - t))
-    med = {f"{k}_ms": statistics.median(t) for k, t in times.items()}
+    med = {f"{k}_ms": t for k, t in alternate({"vllm": vllm_step, "leank": leank_step, "sdpa": sdpa_step}, 5).items()}
     print(
         f"prompt step, {batch} x {chunk} queries after {cached}, {len(layers)} layers, {torch.get_num_threads()} "
         f"thread(s): vLLM {med['vllm_ms']:.1f} ms, LeanK {med['leank_ms']:.1f} ms, SDPA {med['sdpa_ms']:.1f} ms",
@@ -296,15 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for threads in [int(x) for x in args.threads.split(",")]:
                 torch.set_num_threads(threads)
                 steps = {"vllm": vllm_step, "leank": lambda c=leank, i=(q, table, wtable, seq): leank_step(c, i)}
-                times: dict[str, list[float]] = {k: [] for k in steps}
-                for k in steps.values():
-                    k()  # warm-up (and vLLM's scheduler metadata for this thread count)
-                for _ in range(args.steps):
-                    for k, fn in steps.items():
-                        t = clock()
-                        fn()
-                        times[k].append(1e3 * (clock() - t))
-                med = {k: statistics.median(v) for k, v in times.items()}
+                med = alternate(steps, args.steps)  # the warm-up builds vLLM's scheduler metadata for these threads
                 row = dict(
                     batch=batch,
                     context=context,
