@@ -138,11 +138,14 @@ def _tries(plain: dict, leank: dict) -> str:
     return " / ".join(", ".join(f"{x:.1f}" for x in side["tries"]) for side in (plain, leank))
 
 
-def result_name(threads: int, phases: list[str] | tuple[str, ...] = ("equal", "max")) -> str:
+def result_name(threads: int, phases: list[str] | tuple[str, ...] = ("equal", "max"),
+                contexts: list[int] | tuple[int, ...] = (2048, 8192)) -> str:
     """The docs' table of one thread count: ``docs/results/vllm-throughput-<N>-thread(s).json``, with ``-equal`` or
-    ``-max`` before ``.json`` for a run of one phase (so that it replaces no table of both)."""
+    ``-max`` for a run of one phase and ``-2k``/``-8k`` for a run of one context before ``.json`` (so that a partial
+    run replaces no fuller table)."""
     one = "" if set(phases) == {"equal", "max"} else f"-{phases[0]}"
-    return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}{one}"
+    some = "" if set(contexts) == {2048, 8192} else "".join(f"-{c // 1024}k" if c % 1024 == 0 else f"-{c}" for c in contexts)
+    return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}{one}{some}"
 
 
 def table(rows: list[dict], mask: str, threads: int, repeats: int = 1) -> str:
@@ -213,7 +216,7 @@ def main() -> None:
     print("\n" + "\n\n".join(tables.values()))
     if args.save:  # one table per thread count, so that a rerun of one thread count replaces only its own
         for t, text in tables.items():
-            print(f"saved {results.save(result_name(t, args.phases), text)}")
+            print(f"saved {results.save(result_name(t, args.phases, args.contexts), text)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -26,3 +26,14 @@ def test_each_side_keeps_its_fastest_engine_and_every_try():
     assert "| 2 | 2048 | max (11 vs 24) | 45.0 (22.5) | 60.0 (30.0) | 1.33x |  |" in text
     one = bench.table(rows, "hub/smollm2-135m-instruct-s3", 2)
     assert "fastest" not in one and "every try" not in one
+
+
+def test_a_partial_run_saves_beside_the_fuller_tables():
+    name = load_benchmark("vllm_throughput").result_name
+    assert name(2) == name(2, ["max", "equal"], [8192, 2048]) == "vllm-throughput-2-threads"
+    assert name(1) == "vllm-throughput-1-thread"
+    assert name(2, ["equal"]) == "vllm-throughput-2-threads-equal"
+    assert name(1, ["equal"], [2048]) == "vllm-throughput-1-thread-equal-2k"
+    assert name(1, ["max"], [8192]) == "vllm-throughput-1-thread-max-8k"
+    assert name(2, ["equal"], [3000]) == "vllm-throughput-2-threads-equal-3000"
+    assert len({name(1, ["equal"], c) for c in ([2048], [8192], [2048, 8192])}) == 3
