@@ -46,6 +46,8 @@ from vllm_capacity import model_dir  # noqa: E402
 from leank_infer.vllm.settings import SERVED_RULES  # noqa: E402
 
 DENSE_TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # the embedded model's K+V per token, fp32
+CONTEXTS = (2048, 8192)  # a default run's contexts and phases: the docs' fuller tables
+PHASES = ("equal", "max")
 
 
 def _scheduler(engine):  # noqa: ANN001, ANN202 - the in-process engine core's scheduler
@@ -138,13 +140,13 @@ def _tries(plain: dict, leank: dict) -> str:
     return " / ".join(", ".join(f"{x:.1f}" for x in side["tries"]) for side in (plain, leank))
 
 
-def result_name(threads: int, phases: list[str] | tuple[str, ...] = ("equal", "max"),
-                contexts: list[int] | tuple[int, ...] = (2048, 8192)) -> str:
+def result_name(threads: int, phases: list[str] | tuple[str, ...] = PHASES,
+                contexts: list[int] | tuple[int, ...] = CONTEXTS) -> str:
     """The docs' table of one thread count: ``docs/results/vllm-throughput-<N>-thread(s).json``, with ``-equal`` or
     ``-max`` for a run of one phase and ``-2k``/``-8k`` for a run of one context before ``.json`` (so that a partial
     run replaces no fuller table)."""
-    one = "" if set(phases) == {"equal", "max"} else f"-{phases[0]}"
-    some = "" if set(contexts) == {2048, 8192} else "".join(f"-{c // 1024}k" if c % 1024 == 0 else f"-{c}" for c in contexts)
+    one = "" if set(phases) == set(PHASES) else f"-{phases[0]}"
+    some = "" if set(contexts) == set(CONTEXTS) else "".join(f"-{c // 1024}k" if c % 1024 == 0 else f"-{c}" for c in contexts)
     return f"vllm-throughput-{threads}-thread{'s' if threads > 1 else ''}{one}{some}"
 
 
@@ -179,14 +181,14 @@ def main() -> None:
     p.add_argument("--mask", default=str(ROOT / "hub" / "smollm2-135m-instruct-s3"))
     p.add_argument("--rule", default=SERVED_RULES[0], choices=SERVED_RULES,
                    help="the rule the LeanK engine serves (additional_config leank_rule)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1,
                    help="fresh engines per side at equal batches (alternating sides); each row is the fastest")
     p.add_argument("--cap-gib", type=float, default=4.0, help="largest KV pool of an equal-batch engine")
-    p.add_argument("--phases", nargs="+", default=["equal", "max"], choices=["equal", "max"],
+    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
                    help="equal batches, maximum concurrency, or both; a table without both saves as its own result")
     p.add_argument("--json", type=Path)
     p.add_argument("--save", action="store_true",
