@@ -37,3 +37,26 @@ def test_a_partial_run_saves_beside_the_fuller_tables():
     assert name(1, ["max"], [8192]) == "vllm-throughput-1-thread-max-8k"
     assert name(2, ["equal"], [3000]) == "vllm-throughput-2-threads-equal-3000"
     assert len({name(1, ["equal"], c) for c in ([2048], [8192], [2048, 8192])}) == 3
+
+
+def test_a_one_context_run_saves_under_its_own_name(monkeypatch, capsys):
+    """main() with --save, the engines replaced by their rows: each thread count's table is saved once, under the
+    name of the contexts and phases it ran, and alternates fresh engines per side --repeats times."""
+    bench = load_benchmark("vllm_throughput")
+    calls, saved = [], {}
+
+    def engine(args, mask, context, threads, phase, batches, kv):  # noqa: ANN001, ANN202
+        calls.append((mask != "", context, threads))
+        return [row("leank" if mask else "plain", b, 50.0 + len(calls)) | dict(context=context, threads=threads)
+                for b in batches]  # fmt: skip
+
+    monkeypatch.setattr(bench, "run", engine)
+    monkeypatch.setattr(bench.results, "save", lambda name, text: saved.setdefault(name, text) and name)
+    monkeypatch.setattr("sys.argv", ["vllm_throughput.py", "--contexts", "8192", "--batches", "1", "4", "--threads",
+                                     "1", "--phases", "equal", "--repeats", "2", "--save"])  # fmt: skip
+    bench.main()
+    assert calls == [(False, 8192, 1), (True, 8192, 1)] * 2
+    assert list(saved) == ["vllm-throughput-1-thread-equal-8k"]
+    assert "| 1 | 8192 | 4 | 53.0 (26.5) | 54.0 (27.0) | 1.02x | 51.0, 53.0 / 52.0, 54.0 |" in saved[
+        "vllm-throughput-1-thread-equal-8k"]
+    capsys.readouterr()
