@@ -12,6 +12,7 @@ client timeout (:data:`REQUEST_S`): a server that stops scheduling fails the tes
 from __future__ import annotations
 
 import re
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -86,16 +87,23 @@ def soak(url: str, prompts: list[list[int]], ids: list[int], reference: list[lis
         stream.close()  # the connection goes: vLLM aborts the request
         return got
 
+    done = threading.Event()
+
     def preempt() -> None:  # every running request back to the waiting queue, its blocks freed, PREEMPT_WAVES times
-        for _ in range(PREEMPT_WAVES):
-            time.sleep(3)
+        for _ in range(PREEMPT_WAVES):  # each wave once requests run (the load may take only seconds)
+            while metric(url, "vllm:num_requests_running") == 0:
+                if done.is_set():
+                    return
+                time.sleep(0.05)
             request = urllib.request.Request(f"{url}/reset_prefix_cache?reset_running_requests=true", method="POST")
             urllib.request.urlopen(request, timeout=60).close()
+            time.sleep(0.5)  # the preempted requests resume before the next wave
 
     with ThreadPoolExecutor(len(prompts) + DROPPED + 1) as pool:
         drops = [pool.submit(dropped, prompts[(5 * i) % len(prompts)][: 200 + 150 * i]) for i in range(DROPPED)]
         waves = pool.submit(preempt)
         together = list(pool.map(complete, prompts))
+        done.set()
         assert [d.result() for d in drops] == [3] * DROPPED
         waves.result()
     seen["preemptions"] = metric(url, "vllm:num_preemptions_total")
