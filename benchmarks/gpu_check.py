@@ -331,22 +331,26 @@ class LeanKPages:
 
     def __init__(self, mask, layer: int, lengths: list[int], q_heads: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = 16, fp8: torch.dtype | None = None,
-                 window_for: list[int] | None = None, seed: int = 0):  # fmt: skip
+                 window_for: list[int] | None = None, seed: int = 0, window_block: int | None = None):  # fmt: skip
+        from dataclasses import replace
+
         from leank_infer.decode.rule import positional_recent_from
         from leank_infer.vllm.pool import WorkerPlan
 
         self.plan = plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
+        if window_block is not None:  # else the plan's (pool.fit_window_block)
+            self.plan = plan = replace(plan, window_block=window_block)
         self.slot = plan.slots[layer]
         self.fp8, self.dtype = fp8, dtype
         self.k_scale, self.v_scale = (0.5, 2.0) if fp8 is not None else (1.0, 1.0)
-        bs = block_size
-        width = -(-max(lengths) // bs)
+        bs, wbs = block_size, plan.window_block  # the window pages hold their own number of tokens
+        width, wwidth = -(-max(lengths) // bs), -(-max(lengths) // wbs)
         full_blocks = []
         for n in lengths:
-            blocks = set(range(-(-min(plan.sink, n) // bs)))
+            blocks = set(range(-(-min(plan.sink, n) // wbs)))
             for m in window_for if window_for is not None else [n]:
                 start = max(plan.sink, positional_recent_from(m - 1, plan.recent, plan.accumu))
-                blocks.update(range(start // bs, -(-m // bs)))
+                blocks.update(range(start // wbs, -(-m // wbs)))
             full_blocks.append(sorted(blocks))
         total = 1 + len(lengths) * width + sum(len(x) for x in full_blocks)
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -354,10 +358,10 @@ class LeanKPages:
         pool.normal_(generator=gen)
         self.pool = pool if fp8 is None else pool.to(fp8).view(torch.uint8)
         self.packed = self.pool[:, : bs * plan.packed_row].view(total, bs, plan.packed_row)
-        self.window = self.pool[:, : bs * plan.window_row].view(total, bs, plan.window_row)
+        self.window = self.pool[:, : wbs * plan.window_row].view(total, wbs, plan.window_row)
         ids = (torch.randperm(total - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()  # 0: null
         packed_table = torch.zeros(len(lengths), width, dtype=torch.int32)
-        window_table = torch.zeros(len(lengths), width, dtype=torch.int32)
+        window_table = torch.zeros(len(lengths), wwidth, dtype=torch.int32)
         for i, blocks in enumerate(full_blocks):
             packed_table[i] = torch.tensor([ids.pop() for _ in range(width)])
             window_table[i, blocks] = torch.tensor([ids.pop() for _ in blocks], dtype=torch.int32)
@@ -432,16 +436,16 @@ def part_vllm_kernel(small: bool, device: torch.device) -> list[dict[str, str]]:
     n, results = 64, []
     for fp8 in [None] + ([] if small else [torch.float8_e4m3fn, torch.float8_e5m2]):
         pages = LeanKPages(mask, last, [2 * n * 16], hq, dtype, device, fp8=fp8, window_for=[])
-        plan, slot, bs = pages.plan, pages.slot, pages.plan.block_size
+        plan, slot, bs, wbs = pages.plan, pages.slot, pages.plan.block_size, pages.plan.window_block
         gen = torch.Generator(device=device).manual_seed(1)
         k = (torch.randn(n, plan.num_kv_heads, plan.head_dim, device=device, generator=gen) * 3).to(dtype)
         v = torch.randn(n, plan.num_kv_heads, plan.head_dim, device=device, generator=gen).to(dtype)
         i = torch.arange(n, device=device)
         blocks = pages.packed_table[0].long()  # 2n distinct blocks: the first n packed, the last n window
         packed_slots = torch.where(i % 7 == 3, -1, blocks[:n] * bs + i % bs)
-        window_slots = torch.where(i % 5 == 1, i % bs, blocks[n:] * bs + i % bs)
+        window_slots = torch.where(i % 5 == 1, i % wbs, blocks[n:] * wbs + i % wbs)
         want = pages.pool.clone()
-        wp, ww = (want[:, : bs * r].view(-1, bs, r) for r in (plan.packed_row, plan.window_row))
+        wp, ww = (want[:, : b * r].view(-1, b, r) for b, r in ((bs, plan.packed_row), (wbs, plan.window_row)))
         write_pages(wp, packed_slots, ww, window_slots, k, v, slot, pages.k_scale, pages.v_scale, fp8)
         triton_paged.write(pages.packed, packed_slots, pages.window, window_slots, k, v, slot,
                            pages.k_scale, pages.v_scale, fp8)  # fmt: skip
@@ -498,7 +502,7 @@ def part_vllm_speed(small: bool, device: torch.device) -> list[dict[str, str]]:
     full = ChannelMask(torch.ones(1, hkv, d, dtype=torch.bool), sink_size=mask.sink_size,
                        recent_size=mask.recent_size, accumu_size=mask.accumu_size)  # fmt: skip
     lengths = [3, 70, 200] if small else [3, 2048, 8192]
-    pages = LeanKPages(full, 0, lengths, hq, dtype, device, window_for=[])
+    pages = LeanKPages(full, 0, lengths, hq, dtype, device, window_for=[], window_block=16)
     pages.window_table.copy_(pages.packed_table)  # a full-keep row is [K | V] in the packed store; no rest row
     bs = pages.plan.block_size
     kv = pages.packed.reshape(-1, bs, 2, hkv, d).permute(0, 3, 1, 2, 4).reshape(-1, hkv, bs, 2 * d)

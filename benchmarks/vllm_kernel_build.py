@@ -55,7 +55,7 @@ torch::Tensor decode_ext(torch::Tensor q, torch::Tensor packed, torch::Tensor pt
     a.B = q.size(0); a.Hq = q.size(1); a.Hkv = ints[0]; a.D = q.size(2); a.block_size = packed.size(1);
     a.q = q.data_ptr(); a.out = out.data_ptr<float>(); a.packed = packed.data_ptr(); a.window = window.data_ptr();
     a.packed_block_stride = packed.stride(0); a.packed_row = packed.size(2);
-    a.window_block_stride = window.stride(0); a.window_row = window.size(2);
+    a.window_block_stride = window.stride(0); a.window_row = window.size(2); a.window_block = window.size(1);
     a.packed_table = ptable.data_ptr<int32_t>(); a.window_table = wtable.data_ptr<int32_t>();
     a.packed_table_stride = ptable.stride(0); a.window_table_stride = wtable.stride(0);
     a.seq_lens = seq_lens.data_ptr<int32_t>(); a.packed_offset = ints[1]; a.window_offset = ints[2];

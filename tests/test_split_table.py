@@ -273,12 +273,12 @@ def one_hot_pages(sizes, lengths: list[int], dtype=torch.float32, whole_window: 
     sink, recent, accumu = sizes
     mask = ChannelMask(KEEP.unsqueeze(0), sink_size=sink, recent_size=recent, accumu_size=accumu)
     pages = random_pages(mask, lengths, block_size=4, dtype=dtype, whole_window=whole_window)
-    bs = pages.packed.shape[1]
+    bs, wbs = pages.packed.shape[1], pages.window.shape[1]  # the window pages' blocks hold their own token count
     for b, n in enumerate(lengths):
         k, v = kv(n, dtype=dtype)
         pos = torch.arange(n)
         packed_slots = pages.packed_table[b, pos // bs].long() * bs + pos % bs
-        window_slots = pages.window_table[b, pos // bs].long() * bs + pos % bs  # the null block: below bs, skipped
+        window_slots = pages.window_table[b, pos // wbs].long() * wbs + pos % wbs  # the null block: below wbs, skipped
         write_pages(pages.packed, packed_slots, pages.window, window_slots, k, v, pages.slot)
         pages.keys[b], pages.values[b] = k, v
     pages.q = queries(len(lengths), HQ, dtype=dtype)

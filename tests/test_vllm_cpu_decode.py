@@ -54,6 +54,18 @@ def check(pg, got: torch.Tensor, tol: float, scale: float = 0.125) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window_block", [5, 9, 24, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_pages_of_a_block_size_of_their_own(dtype, window_block):
+    """Window pages whose blocks hold another number of tokens than the packed pages' 16 (pool.fit_window_block):
+    the sink and window keys are read through the window table at their own block size, the rest through the packed
+    one."""
+    mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
+    pg = random_pages(mask, LENGTHS, q_heads=9, dtype=dtype, seed=2, window_block=window_block)
+    assert pg.window.shape[1] == window_block != pg.packed.shape[1]
+    check(pg, run(pg, 2), TOL[dtype])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize(
@@ -136,7 +148,7 @@ def test_a_nan_the_kernel_reads_shows_in_the_result(dtype, fp8):
     pages catch any stray read)."""
     mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
     pg = random_pages(mask, [300, 300], q_heads=9, dtype=dtype, fp8=fp8, seed=12)
-    bs, p = pg.packed.shape[1], 299
+    bs, p = pg.window.shape[1], 299
     block = int(pg.window_table[1, p // bs])
     pg.window[block, p % bs, pg.slot.window_offset + 5] = 0x7F if fp8 else float("nan")
     got = run(pg, 2)
@@ -270,13 +282,15 @@ def test_no_out_of_bounds_read_under_address_sanitizer(tmp_path):
     assert r.returncode == 0 and "asan ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
+@pytest.mark.parametrize("wbs", [16, 5], ids=["one-block-size", "window-block-5"])
 @pytest.mark.parametrize("counts", [[5, 0, 16], [0, 0, 0], [16, 16, 16]], ids=["mixed", "keeps-nothing", "keeps-all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts):
+def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts, wbs):
     """cpu_decode.write puts exactly the bytes of paged_reference.write_pages where they go: packed rows (kept K,
     V of heads keeping any, a layer keeping nothing its one padding 0), rest rows only into real window blocks,
     nothing for padding (-1) or the null block; strided K/V as vLLM's qkv split gives them, a layer at a non-zero
-    offset of token-major rows; every other byte (NaN) untouched. kernels.write takes it for these pages."""
+    offset of token-major rows; every other byte (NaN) untouched; window blocks of 16 tokens as the packed ones, or
+    of 5. kernels.write takes it for these pages."""
     from leank_infer.vllm.paged_reference import write_pages
     from leank_infer.vllm.pool import WorkerPlan
 
@@ -289,12 +303,15 @@ def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts):
     assert slot.packed_offset > 0
     wrow = plan.window_row + full
     packed = torch.full((nb, bs * plan.packed_row + 3), float("nan"), dtype=dtype)[:, : bs * plan.packed_row]
-    window = torch.full((nb, bs * wrow + 5), float("nan"), dtype=dtype)[:, : bs * wrow]
-    packed, window = packed.view(nb, bs, plan.packed_row), window.view(nb, bs, wrow)
+    wnb = nb * bs // wbs
+    window = torch.full((wnb, wbs * wrow + 5), float("nan"), dtype=dtype)[:, : wbs * wrow]
+    packed, window = packed.view(nb, bs, plan.packed_row), window.view(wnb, wbs, wrow)
     qkv = torch.randn(n, (2 + 3 + 3) * 16, generator=g).to(dtype)  # q | k | v of each token, like vLLM's
     k, v = qkv[:, 32:80].view(n, 3, 16), qkv[:, 80:].view(n, 3, 16)
     packed_slots = torch.tensor([17, -1, 40, 3, 95, -1, 66, 33, 18])
-    window_slots = torch.tensor([20, -1, 5, 0, 90, 31, 15, 16, 47])  # < 16: the null block
+    window_slots = torch.tensor([20, -1, 5, 0, 90, 31, 15, 16, 47])  # < wbs: the null block
+    if wbs == 5:
+        window_slots = torch.tensor([20, -1, 3, 0, 90, 31, 4, 5, 47])
     want_p, want_w = packed.clone(), window.clone()
     write_pages(want_p, packed_slots, want_w, window_slots, k, v, slot)
     assert cpu_decode.supports_write(packed, window, k, v)
@@ -330,21 +347,25 @@ def test_the_write_leaves_fp8_and_odd_tensors_to_the_reference(monkeypatch):
     assert calls == [torch.float8_e4m3fn] and paged_reference.write_pages is not None
 
 
+@pytest.mark.parametrize("window_block", [None, 7])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("counts", [[5, 0, 16], [0, 0, 0], [16, 16, 16]], ids=["mixed", "keeps-nothing", "keeps-all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, threads):
+def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, threads, window_block):
     """cpu_decode.gather (the dense-prompt rule's prefill reads every earlier prompt token) gives paged_reference's
     full_rows bit for bit, and so the very K/V that were written: a layer at a non-zero offset of its rows,
     shuffled blocks strided by more than a page (NaN between), requests long and short; kernels.prompt_kv takes
-    it and equals request_kv(whole=True), the chunk's own K/V after the gathered ones."""
+    it and equals request_kv(whole=True), the chunk's own K/V after the gathered ones. Window pages of the plan's block
+    size or of 7 tokens; a run from the middle of a prompt (``first``) reads the same rows as the whole gather."""
     from leank_infer.vllm.paged_reference import full_rows, request_kv
 
     torch.set_num_threads(threads)
     mask = random_mask(2, 3, 16, counts, seed=7, align=16)
     lengths = [1, 15, 16, 17, 300]
-    pg = random_pages(mask, lengths, layer=1, block_size=block_size, dtype=dtype, seed=8, whole_window=True)
+    pg = random_pages(
+        mask, lengths, layer=1, block_size=block_size, dtype=dtype, seed=8, whole_window=True, window_block=window_block
+    )
     assert pg.slot.packed_offset > 0 and cpu_decode.supports_gather(pg.packed, pg.window, dtype)
     for b, n in enumerate(lengths):
         tables = (pg.packed, pg.packed_table[b], pg.window, pg.window_table[b])
@@ -366,6 +387,13 @@ def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, th
         at = (out_table[t // 8].long(), slice(None), t % 8)
         assert torch.equal(kp[at[0], :, at[2]], want_k) and torch.equal(vp[at[0], :, at[2]], want_v)
         assert int((scratch == -7.0).sum()) == scratch.numel() - 2 * want_k.numel()  # nothing else written
+        first = n // 3  # the tokens [first, n) only, the tables from the request's first token
+        kk, vv = torch.full_like(k, -7.0), torch.full_like(v, -7.0)
+        cpu_decode.gather(*tables[:2], *tables[2:], n - first, pg.slot, kk, vv, first=first)
+        assert torch.equal(kk[: n - first], want_k[first:]) and torch.equal(vv[: n - first], want_v[first:])
+        rows = torch.empty_like(kk), torch.empty_like(vv)
+        kernels.prompt_rows(pg.plan, pg.slot, *tables, n - first, *rows, first=first)
+        assert torch.equal(rows[0][: n - first], want_k[first:]) and torch.equal(rows[1][: n - first], want_v[first:])
         first = n // 2  # a chunk from the middle of the prompt on: its own K/V follow the gathered ones
         new_k, new_v = pg.keys[b][first:] * 2, pg.values[b][first:] * 2
         got = kernels.prompt_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype)

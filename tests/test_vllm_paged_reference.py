@@ -55,8 +55,10 @@ def test_prefill_chunk_equals_the_reference(length, cached, counts, q_heads, dty
     n = length - cached
     q = torch.randn(n, q_heads, 64, generator=g).to(dtype)
     kv = (torch.randn(n, 3, 64, generator=g).to(dtype), torch.randn(n, 3, 64, generator=g).to(dtype))
-    grow = torch.zeros(-(-length // 16), dtype=torch.int32)  # the chunk's own blocks: NaN pages, never read
-    tables = [torch.cat([t[0], grow])[: grow.numel()] for t in (pages.packed_table, pages.window_table)]
+    tables = [  # grown by the chunk's own blocks (of each store's block size): NaN pages, never read
+        torch.cat([t[0], torch.zeros(-(-length // pg.shape[1]), dtype=torch.int32)])[: -(-length // pg.shape[1])]
+        for t, pg in ((pages.packed_table, pages.packed), (pages.window_table, pages.window))
+    ]
     k, v = request_kv(pages.plan, pages.slot, pages.packed, tables[0], pages.window, tables[1], length, cached,
                       *kv, dtype)  # fmt: skip
     scale = 64**-0.5

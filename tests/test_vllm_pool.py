@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from vllm_pages import random_mask
 
 from leank_infer import ChannelMask, MaskError
-from leank_infer.vllm.pool import WorkerPlan, kv_heads_of_rank, packed_width
+from leank_infer.vllm.pool import WorkerPlan, kv_heads_of_rank, packed_width, steady_blocks
 from leank_infer.vllm.settings import load_checked_mask, settings_from
 
 
@@ -26,17 +29,64 @@ def test_packed_rows_hold_every_layer_side_by_side():
     assert [plan.slots[i].packed_offset for i in range(4)] == [sum(widths[:i]) for i in range(4)]
     assert plan.packed_row == sum(widths)
     # window stores: each layer's rest row (what its packed row lacks of K and V), side by side, layers in order,
-    # a new store where the next one would not fit in a packed row; every layer in exactly one
+    # a new store where the next one would not fit in a page of window_block tokens; every layer in exactly one
     full = 2 * 3 * 64
     rest = [full - w for w in widths]
     assert [plan.slots[i].window_width for i in range(4)] == rest
     assert [i for store in plan.window_layers for i in store] == [0, 1, 2, 3]
+    assert plan.page_elements == plan.block_size * plan.packed_row  # the packed page: nothing wider
+    capacity = plan.page_elements // plan.window_block
     for store in plan.window_layers:
-        assert sum(rest[i] for i in store) <= plan.window_row <= max(plan.packed_row, max(rest))
+        assert sum(rest[i] for i in store) <= plan.window_row <= capacity
         assert [plan.slots[i].window_offset for i in store] == [sum(rest[j] for j in store[:k]) for k in range(len(store))]
     for a, b in zip(plan.window_layers, plan.window_layers[1:], strict=False):
-        assert sum(rest[i] for i in a) + rest[b[0]] > max(plan.packed_row, max(rest))  # b's first did not fit in a
-    assert plan.page_elements == plan.block_size * max(plan.packed_row, plan.window_row)
+        assert sum(rest[i] for i in a) + rest[b[0]] > capacity  # b's first did not fit in a
+
+
+HUB = sorted(p.parent for p in (Path(__file__).resolve().parent.parent / "hub").glob("*/mask.safetensors"))
+
+
+def _in_flight(plan: WorkerPlan) -> float:
+    """Elements a prompt token in flight holds: its share of a packed page and of a page in every window store."""
+    return plan.page_elements / plan.block_size + len(plan.window_layers) * plan.page_elements / plan.window_block
+
+
+@pytest.mark.parametrize("align", [None, 256], ids=["hits-at-16", "hits-at-256"])
+@pytest.mark.parametrize("folder", HUB, ids=[p.name for p in HUB])
+def test_window_pages_of_their_own_block_size_fill_the_pages_at_no_other_cost(folder, align):
+    """Every mask in hub/: window pages with a block size of their own hold a prompt token in flight in no more
+    elements than 16-token ones, and cost nothing else: the packed pages, the window pages a decoding request holds,
+    and prefix-cache hits, which vLLM aligns to the least common multiple of the block sizes: 16 tokens by default,
+    at most 256 with ``prefix_align=256``, where every mask's prompt token in flight is within 6% of a plain one."""
+    mask = ChannelMask.from_pretrained(folder)
+    layers = list(range(mask.num_layers))
+    fit, same = (
+        WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=f, prefix_align=align) for f in (True, False)
+    )
+    dense = 2 * mask.num_kv_heads * mask.head_dim * mask.num_layers
+    assert _in_flight(fit) <= _in_flight(same) and (align is None or _in_flight(fit) <= 1.06 * dense)
+    assert fit.page_elements == same.page_elements == 16 * fit.packed_row and fit.block_size == same.block_size == 16
+    assert math.lcm(fit.block_size, fit.window_block) <= (align or 16)
+    held = [len(p.window_layers) * steady_blocks(p.sink, p.window, p.window_block) for p in (fit, same)]
+    assert held[0] <= held[1]
+    assert fit.window_block * fit.window_row <= fit.page_elements  # every store's rows fit a page
+
+
+def test_the_third_stage_mask_gets_one_store_of_8_or_9_token_window_pages():
+    """What docs/vllm.md tells: the 0.7 third-stage mask's rest row is 1.6x its packed row. In 16-token window pages
+    it takes two stores, the second partly empty; by default (hits at 16 tokens) one store of 8-token pages, as many
+    bytes per prompt token in flight (1.13x a plain token) and fewer a decoding request holds; with hits at up to 256
+    tokens one store of 9-token pages (hits at 144), for 1.05x."""
+    mask = ChannelMask.from_pretrained(Path(__file__).resolve().parent.parent / "hub" / "smollm2-135m-instruct-s3")
+    layers = list(range(30))
+    same, fit, wide = (
+        WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=f, prefix_align=a)
+        for f, a in ((False, None), (True, None), (True, 256))
+    )
+    assert [(p.window_block, len(p.window_layers)) for p in (same, fit, wide)] == [(16, 2), (8, 1), (9, 1)]
+    dense = 2 * 3 * 64 * 30
+    assert [round(_in_flight(p) / dense, 2) for p in (same, fit, wide)] == [1.13, 1.13, 1.05]
+    assert [steady_blocks(16, 80, p.window_block) * len(p.window_layers) for p in (same, fit, wide)] == [26, 24, 22]
 
 
 def test_packed_and_rest_rows_are_the_full_rows_each_element_once():
@@ -86,29 +136,45 @@ def test_pipeline_stages_share_one_page_size():
     assert plans[0].page_elements == plans[1].page_elements
 
 
-def test_a_rest_row_wider_than_a_packed_row_widens_every_stages_page():
-    """A stage whose layers keep almost nothing has rest rows wider than the widest stage's packed row: every stage's
-    page grows to it (vLLM's pool has one page size), and a layer keeping everything (no rest row) gets a column
-    inside the page."""
+@pytest.mark.parametrize("fit", [True, False])
+def test_a_rest_row_wider_than_a_packed_row_fits_every_stages_page(fit):
+    """A stage whose layers keep almost nothing has rest rows wider than the widest stage's packed row. With window
+    blocks of their own (``fit``) the window pages hold fewer tokens and the page stays a packed one; with the packed
+    block every stage's page grows to the rest row (vLLM's pool has one page size). A layer keeping everything (no rest
+    row) gets a column inside the page."""
     mask = random_mask(5, 3, 64, [64])
     mask.keep[:] = False
     mask.keep[:2, :2, 0] = True  # stage 0: one channel in heads 0 and 1: packed 130, rest 254 a layer
     mask.keep[2:4, 0, 0] = True  # stage 1: one channel in head 0: packed 65, rest 319 > the packed row (260)
     mask.keep[4] = True  # and a layer keeping everything: no rest row
     stages = [[0, 1], [2, 3, 4]]
-    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    plans = [WorkerPlan.build(mask, stage, stages=stages, fit_window=fit) for stage in stages]
     assert plans[0].packed_row == plans[1].packed_row == 65 + 65 + 384
     mask.keep[4] = False
     mask.keep[4, 0, 0] = True
-    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    plans = [WorkerPlan.build(mask, stage, stages=stages, fit_window=fit) for stage in stages]
     assert plans[0].packed_row == 260 and plans[1].slots[2].window_width == 319
-    assert len({p.page_elements for p in plans}) == 1
-    assert plans[0].window_row == plans[1].window_row == 319 > plans[0].packed_row
+    assert len({(p.page_elements, p.window_block) for p in plans}) == 1
+    if fit:
+        assert plans[0].page_elements == 16 * 260 and plans[0].window_block < 16
+        assert all(p.window_block * p.window_row <= p.page_elements for p in plans)
+        assert plans[1].window_row >= 319
+    else:
+        assert plans[0].window_row == plans[1].window_row == 319 > plans[0].packed_row
+        assert plans[0].page_elements == 16 * 319
     mask.keep[4] = True  # the last layer keeps everything again: its empty rest row's column stays in the page
-    plans = [WorkerPlan.build(mask, stage, stages=stages) for stage in stages]
+    plans = [WorkerPlan.build(mask, stage, stages=stages, fit_window=fit) for stage in stages]
     for plan in plans:
         for slot in plan.slots.values():
             assert slot.window_offset + max(1, slot.window_width) <= plan.window_row
+    # pages of one token: a stage's rest row (384, keeping nothing) is wider than a packed page (130) and wider than the
+    # other stage's (319): both stages' pages are the widest rest row
+    mask = random_mask(4, 3, 64, [64])
+    mask.keep[:] = False
+    mask.keep[2:, 0, 0] = True
+    stages = [[0, 1], [2, 3]]
+    plans = [WorkerPlan.build(mask, stage, block_size=1, stages=stages, fit_window=fit) for stage in stages]
+    assert plans[0].packed_row == 130 and {p.page_elements for p in plans} == {384}
 
 
 def test_a_mask_that_fits_the_shape_but_not_the_model_is_refused_in_vllm_as_in_transformers(tmp_path):
@@ -146,3 +212,13 @@ def test_the_served_rule_is_dense_prompt_unless_named_and_an_unknown_one_is_refu
     mask = ChannelMask(torch.ones(2, 3, 64, dtype=torch.bool), sink_size=16, recent_size=64, accumu_size=16)
     assert WorkerPlan.build(mask, [0, 1], dense_prompt=True).dense_prompt
     assert not WorkerPlan.build(mask, [0, 1]).dense_prompt
+
+
+def test_the_prefix_alignment_setting_is_a_whole_number_of_tokens():
+    """``leank_prefix_align``: unset by default (hits at the packed block), a positive whole number when given, one
+    error naming it for anything else."""
+    assert settings_from({"leank_mask": "m"}).prefix_align is None
+    assert settings_from({"leank_mask": "m", "leank_prefix_align": 256}).prefix_align == 256
+    for bad in (0, -16, 2.5, "256", True):
+        with pytest.raises(MaskError, match=r"leank_prefix_align'\] must be a whole number of tokens"):
+            settings_from({"leank_mask": "m", "leank_prefix_align": bad})

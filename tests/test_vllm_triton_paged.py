@@ -69,16 +69,19 @@ def check(pages, scale: float = 0.3) -> torch.Tensor:
     return got
 
 
+@pytest.mark.parametrize("window_block", [16, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mixed_lengths_equal_the_reference(dtype, splits, monkeypatch):
+def test_mixed_lengths_equal_the_reference(dtype, splits, window_block, monkeypatch):
     """GQA 2, one head keeping nothing, one every channel, one a few; 16-key tiles so that the sink and
-    window (up to 96 full keys) span several tiles; one split (no merge) and three (merged)."""
+    window (up to 96 full keys) span several tiles; one split (no merge) and three (merged); window pages of the
+    packed pages' 16 tokens or of 7 (a block size of their own)."""
     monkeypatch.setattr(triton_paged, "BLOCK_N", 16)
     monkeypatch.setattr(triton_paged, "CPU_SMS", 64)
     monkeypatch.setattr(triton_paged, "MAX_SPLITS", splits)
     mask = random_mask(2, 3, 32, [0, 32, 5], seed=1)
-    pages = random_pages(mask, LENGTHS, q_heads=6, dtype=dtype, seed=2)
+    pages = random_pages(mask, LENGTHS, q_heads=6, dtype=dtype, seed=2, window_block=window_block)
+    assert pages.window.shape[1] == window_block
     assert triton_paged.num_splits(len(LENGTHS), 3, pages.q.device) == splits
     check(pages)
 
@@ -193,13 +196,14 @@ def test_one_fixed_launch_per_call(batch, monkeypatch):
     assert triton_paged.launches(1, 2, torch.device("cpu")) == 2  # batch 1: splits and the merge
 
 
+@pytest.mark.parametrize("wbs", [16, 5])
 @pytest.mark.parametrize("fmt", ["float32", "float16", "e4m3", "e5m2"])
 @pytest.mark.parametrize("keep", [[0, 5, 16], [0]])
-def test_write_equals_the_pytorch_write(fmt, keep):
+def test_write_equals_the_pytorch_write(fmt, keep, wbs):
     """The Triton write puts the same bytes as the PyTorch write (the backend's former _write) into both
     stores, skips padding (-1) and the null block, and leaves every other column (NaN) alone; strided
     K/V as vLLM's qkv split gives them, a layer at a non-zero offset; a layer keeping nothing (its
-    padding element written 0)."""
+    padding element written 0); window pages of 16 tokens as the packed ones, or of 5."""
     g = torch.Generator().manual_seed(5)
     mask = random_mask(3, 3, 16, keep, seed=6, align=16)
     bs = 16
@@ -209,12 +213,13 @@ def test_write_equals_the_pytorch_write(fmt, keep):
     dtype = torch.uint8 if fp8 else getattr(torch, fmt)
     nb = 6
     packed = torch.full((nb, bs * plan.packed_row + 3), float("nan")).to(dtype)[:, : bs * plan.packed_row]
-    window = torch.full((nb, bs * plan.window_row + 5), float("nan")).to(dtype)[:, : bs * plan.window_row]
+    wnb = nb * bs // wbs
+    window = torch.full((wnb, wbs * plan.window_row + 5), float("nan")).to(dtype)[:, : wbs * plan.window_row]
     if fp8:
         packed.fill_(0x7F)
         window.fill_(0x7F)
     packed = packed.view(nb, bs, plan.packed_row)
-    window = window.view(nb, bs, plan.window_row)
+    window = window.view(wnb, wbs, plan.window_row)
     n = 9
     model = torch.float32 if fp8 else dtype
     qkv = torch.randn(n, (2 + 3 + 3) * 16, generator=g).to(model)  # q | k | v of each token, like vLLM's
@@ -224,7 +229,9 @@ def test_write_equals_the_pytorch_write(fmt, keep):
         qkv[:, 80:] = (qkv[:, 80:] * 4).to(fp8).float() * 2.0
     k, v = qkv[:, 32:80].view(n, 3, 16), qkv[:, 80:].view(n, 3, 16)
     packed_slots = torch.tensor([17, -1, 40, 3, 95, -1, 66, 33, 18])
-    window_slots = torch.tensor([20, -1, 5, 0, 90, 31, 15, 16, 47])  # < 16: the null block
+    window_slots = torch.tensor([20, -1, 5, 0, 90, 31, 15, 16, 47])  # < wbs: the null block
+    if wbs == 5:
+        window_slots = torch.tensor([20, -1, 3, 0, 90, 31, 4, 5, 47])
     want_p, want_w = packed.clone(), window.clone()
     write_pages(want_p, packed_slots, want_w, window_slots, k, v, slot, 0.5, 2.0, fp8)
     got_p, got_w = packed.clone(), window.clone()

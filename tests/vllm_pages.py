@@ -9,7 +9,7 @@ so a kernel that reads what the rule does not allow returns NaN instead of passi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,8 +27,8 @@ class Pages:
     q: torch.Tensor  # [B, Hq, D]
     packed: torch.Tensor  # [num_blocks, block_size, packed_row] (a view; block stride may exceed the page)
     packed_table: torch.Tensor  # [B, blocks] int32
-    window: torch.Tensor  # [num_blocks, block_size, window_row]
-    window_table: torch.Tensor  # [B, blocks] int32
+    window: torch.Tensor  # [num_blocks, window_block, window_row]
+    window_table: torch.Tensor  # [B, window blocks] int32
     seq_lens: torch.Tensor  # [B] int32
     keys: list[torch.Tensor]  # per request [length, Hkv, D] in the compute dtype (what was written)
     values: list[torch.Tensor]
@@ -62,33 +62,38 @@ def random_pages(
     extra_block_stride: int = 7,
     device: str = "cpu",
     whole_window: bool = False,
+    window_block: int | None = None,
 ) -> Pages:
     """Pages holding ``len(lengths)`` requests whose next query is at position ``length - 1`` (already written).
 
     ``whole_window``: every token's rest row in the window pages (a prompt being computed under the
-    dense-prompt rule), not only the sink's and the last window's."""
+    dense-prompt rule), not only the sink's and the last window's. ``window_block``: tokens per window page (default:
+    the plan's, which :func:`~leank_infer.vllm.pool.fit_window_block` chose; ``block_size``: one block size)."""
     g = torch.Generator().manual_seed(seed)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
+    if window_block is not None:
+        plan = replace(plan, window_block=window_block)
+    wbs = plan.window_block
     slot = plan.slots[layer]
     h, d = plan.num_kv_heads, plan.head_dim
     hq = q_heads or h
     store = torch.float32 if fp8 is None else torch.uint8
     per_req = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(per_req) * 2 + 3
+    per_win = [-(-n // wbs) for n in lengths]
+    num_blocks = sum(per_req) + sum(per_win) + 3
     # one pool tensor per store, blocks strided by more than a page (other stores' pages sit between)
     packed_pool = torch.full((num_blocks, block_size * plan.packed_row + extra_block_stride), float("nan"))
-    window_pool = torch.full((num_blocks, block_size * plan.window_row + extra_block_stride), float("nan"))
+    window_pool = torch.full((num_blocks, wbs * plan.window_row + extra_block_stride), float("nan"))
     if fp8 is not None:
         packed_pool = torch.full(packed_pool.shape, 0x7F, dtype=torch.uint8)  # 0x7F is NaN in e4m3 and e5m2
         window_pool = torch.full(window_pool.shape, 0x7F, dtype=torch.uint8)
     elif dtype != torch.float32:
         packed_pool, window_pool = packed_pool.to(dtype), window_pool.to(dtype)
     packed = packed_pool[:, : block_size * plan.packed_row].view(num_blocks, block_size, plan.packed_row)
-    window = window_pool[:, : block_size * plan.window_row].view(num_blocks, block_size, plan.window_row)
+    window = window_pool[:, : wbs * plan.window_row].view(num_blocks, wbs, plan.window_row)
     free = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 is vLLM's null block
-    width = max(per_req)
-    packed_table = torch.zeros(len(lengths), width, dtype=torch.int32)
-    window_table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    packed_table = torch.zeros(len(lengths), max(per_req), dtype=torch.int32)
+    window_table = torch.zeros(len(lengths), max(per_win), dtype=torch.int32)
     k_scale, v_scale = (0.5, 2.0) if fp8 is not None else (1.0, 1.0)
     keys, values, used = [], [], 0
     layout = slot.layout
@@ -106,17 +111,17 @@ def random_pages(
         used += per_req[b]
         packed_table[b, : per_req[b]] = pblocks.int()
         rf = positional_recent_from(n - 1, mask.recent_size, mask.accumu_size)
-        first_kept = max(0, n - 1 - (mask.recent_size + mask.accumu_size) + 1) // block_size
-        for i in range(per_req[b]):
-            if whole_window or i * block_size < mask.sink_size or i >= first_kept:
+        first_kept = max(0, n - 1 - (mask.recent_size + mask.accumu_size) + 1) // wbs
+        for i in range(per_win[b]):
+            if whole_window or i * wbs < mask.sink_size or i >= first_kept:
                 window_table[b, i] = int(free[used])
                 used += 1
-        assert rf >= first_kept * block_size or rf <= mask.sink_size
+        assert rf >= first_kept * wbs or rf <= mask.sink_size
         for p in range(n):
             row = layout.pack(k[p : p + 1].float(), v[p : p + 1].float())[0]
             blk, off = int(packed_table[b, p // block_size]), p % block_size
             cols = slice(slot.packed_offset, slot.packed_offset + row.numel())
-            wblk = int(window_table[b, p // block_size])
+            wblk, woff = int(window_table[b, p // wbs]), p % wbs
             rest = layout.pack_rest(k[p : p + 1].float(), v[p : p + 1].float())[0]
             if fp8 is not None:
                 nk, nkr = layout.k_index.numel(), layout.kr_index.numel()
@@ -124,7 +129,7 @@ def random_pages(
                 rest = torch.cat([rest[:nkr] / k_scale, rest[nkr:] / v_scale]).to(FP8[fp8]).view(torch.uint8)
             packed[blk, off, cols] = row.to(packed.dtype)
             if wblk:
-                window[wblk, off, slot.window_offset : slot.window_offset + rest.numel()] = rest.to(window.dtype)
+                window[wblk, woff, slot.window_offset : slot.window_offset + rest.numel()] = rest.to(window.dtype)
     q = torch.randn(len(lengths), hq, d, generator=g).to(dtype)
     if store is torch.uint8:
         q = q.float()

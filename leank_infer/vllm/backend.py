@@ -38,8 +38,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from ..mask import ChannelMask, MaskError, dense_layers_of
 from . import cpu_prefill, kernels
+from .kv_specs import kv_specs
 from .paged_reference import request_kv
-from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan, kv_specs
+from .pool import DEFAULT_BLOCK_SIZE, PACKED_SUFFIX, WINDOW_SUFFIX, LayerSlot, WorkerPlan
 from .settings import check_engine, load_checked_mask, settings_from
 from .stores import PackedBackend, Store, WindowBackend
 
@@ -60,6 +61,7 @@ class LeanKAttentionMixin:
         self.window_name: str | None = None
         self.fp8: torch.dtype | None = None
         self.dense_prompt = False
+        self.prefix_align: int | None = None  # leank_prefix_align (None: the packed block size)
         self._bound: kernels.BoundLayer | None = None
         self._bound_key: tuple | None = None
         config = get_current_vllm_config()
@@ -70,6 +72,7 @@ class LeanKAttentionMixin:
             return  # vLLM's own attention
         self.mask = load_checked_mask(settings, config.model_config.hf_config, config.model_config.model)
         self.dense_prompt = settings.dense_prompt
+        self.prefix_align = settings.prefix_align
         if self.sliding_window not in _NO_WINDOW:
             self.windowed = True  # left whole, as the transformers path leaves it (plan_worker checks the index)
             return
@@ -96,7 +99,7 @@ class LeanKAttentionMixin:
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
         if self.mask is not None and self.plan is None:
-            plan_worker(self.vllm_config, self.mask, self.dense_prompt)
+            plan_worker(self.vllm_config, self.mask, self.dense_prompt, self.prefix_align)
 
     # ---- attention ------------------------------------------------------------------------------
     def _bind(self, layer: Any, kv_cache: torch.Tensor, dtype: torch.dtype) -> kernels.BoundLayer:
@@ -169,7 +172,9 @@ class LeanKAttentionMixin:
         return output
 
 
-def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False) -> WorkerPlan:
+def plan_worker(
+    vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False, prefix_align: int | None = None
+) -> WorkerPlan:
     """Lay out this worker's LeanK pages and wire its attention layers to them (once per worker).
 
     Finds every attention layer of the model, refuses one that is not LeanK's while a mask is set
@@ -182,6 +187,9 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
     every attention backend is chosen (so no backend selection sees it). No other part of vLLM reads it for a
     model whose layers are plain attention layers, which every LeanK layer is; vLLM's CPU attention, which runs
     the sliding-window layers of a hybrid model, ignores it (its GPU backends would not: refused there).
+
+    ``prefix_align``: the ``leank_prefix_align`` setting, the most tokens vLLM may align prefix-cache hits to where
+    the window pages take a block size of their own (:func:`~leank_infer.vllm.pool.fit_window_block`).
     """
     from vllm.distributed import (
         get_pp_group,
@@ -245,9 +253,9 @@ def plan_worker(vllm_config: Any, mask: ChannelMask, dense_prompt: bool = False)
     stages = [
         [i for i in range(*get_pp_indices(mask.num_layers, r, pp)) if i not in windowed_layers] for r in range(pp)
     ]
-    plan = WorkerPlan.build(
+    plan = WorkerPlan.build(  # a hybrid model's page is cut to its windowed layers' kernel: window blocks as packed ones
         mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages,
-        dense_prompt,
+        dense_prompt, fit_window=not windowed, prefix_align=prefix_align,
     )
     first_name, first = layers[order[0]]
     page_bytes = None
@@ -321,7 +329,7 @@ def _share_pages(
 
     best = next((b for b in blocks if (page(b) - b * row) * 8 <= page(b)), None)
     best = best or min(blocks, key=lambda b: (page(b) - b * row) / page(b))
-    plan = replace(plan, block_size=best)
+    plan = replace(plan, block_size=best, window_block=best)
     size = page(best)
     for impl, spec in zip(windowed, specs, strict=True):
         fixed = replace(spec, block_size=size // sw_token, page_size_padded=None)

@@ -40,6 +40,7 @@ struct Args {  // mirrored by _Args in cpu_decode.py: keep the order
     const int64_t *rk_off;  // [Hkv + 1]: head h's dropped K columns are [rk_off[h], rk_off[h + 1]) of the rest row
     const int64_t *rk_ch;   // [nkr]: their channels
     const int64_t *rv_col;  // [Hkv]: first column of head h's V in the rest row, -1: its V is in the packed row
+    int64_t window_block;   // tokens per window page (block_size is the packed pages')
 };
 
 static inline v8 bits_f(v8u u) { return (v8)u; }
@@ -329,7 +330,7 @@ template <class L>
 static void keys_full(const Args &A, const Heads &H, const typename L::T *packed, const int32_t *ptable,
                       const typename L::T *rest, const int32_t *rtable, int64_t a, int64_t e, Scratch &S) {
     typedef typename L::T T;
-    const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
+    const int64_t bs = A.block_size, wbs = A.window_block, D = A.D, G = A.Hq / A.Hkv;
     const T **rows = (const T **)S.rows, **rows2 = (const T **)S.rows2, **kr = (const T **)S.kr;
     const T **vr = (const T **)S.vr;
     T *F = (T *)S.F;
@@ -338,7 +339,7 @@ static void keys_full(const Args &A, const Heads &H, const typename L::T *packed
         for (int64_t t = 0; t < nt; t++) {
             const int64_t pos = t0 + t;
             rows[t] = packed + (int64_t)ptable[pos / bs] * A.packed_block_stride + (pos % bs) * A.packed_row;
-            rows2[t] = rest + (int64_t)rtable[pos / bs] * A.window_block_stride + (pos % bs) * A.window_row;
+            rows2[t] = rest + (int64_t)rtable[pos / wbs] * A.window_block_stride + (pos % wbs) * A.window_row;
         }
         for (int64_t h = 0; h < A.Hkv; h++) {
             const int64_t n1 = H.mid_n[h], n2 = H.rest_n[h], k1 = H.mid_k[h], k2 = H.rest_k[h];
@@ -547,7 +548,7 @@ static int run(const Args &A) {
 }
 
 extern "C" int leank_cpu_decode(const Args *A) {
-    if (A->Hkv <= 0 || A->Hq % A->Hkv || A->block_size <= 0 || A->accumu <= 0 || A->split < TILE || A->split % TILE) return 2;
+    if (A->Hkv <= 0 || A->Hq % A->Hkv || A->block_size <= 0 || A->window_block <= 0 || A->accumu <= 0 || A->split < TILE || A->split % TILE) return 2;
     switch (A->kv_type) {
         case 0: return run<LF32>(*A);
         case 1: return run<LBF16>(*A);
@@ -562,8 +563,8 @@ extern "C" int leank_cpu_decode_tile(void) { return TILE; }
 // The step's K/V into the pages (what paged_reference.write_pages does in PyTorch, without its dozen small tensor
 // ops per layer): token i's packed row (kept K channels k_index, then V columns v_index, zero padding up to width)
 // at packed slot ps[i] >= 0, its rest row (dropped K channels kr_index, then V columns vr_index) at window slot
-// ws[i] >= block_size (-1 pads,
-// [0, block_size) is the null block). K/V rows [Hkv * D] contiguous, tokens k_stride / v_stride elements apart;
+// ws[i] >= window_block (-1 pads,
+// [0, window_block) is the null block). K/V rows [Hkv * D] contiguous, tokens k_stride / v_stride elements apart;
 // pages of the model's dtype (elem bytes); a slot's row at base + (slot / bs) * block_stride + (slot % bs) * row.
 struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
     int64_t n, HD, block_size, elem;
@@ -576,12 +577,13 @@ struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
     int64_t nk, nv, width;
     const int64_t *kr_index, *vr_index;
     int64_t nkr, nvr;
+    int64_t window_block;  // tokens per window page (block_size is the packed pages')
 };
 
 template <class T>
 static void write_rows(const WArgs &A) {
     const T *k = (const T *)A.k, *v = (const T *)A.v;
-    const int64_t bs = A.block_size;
+    const int64_t bs = A.block_size, wbs = A.window_block;
     for (int64_t i = 0; i < A.n; i++) {
         const T *ki = k + i * A.k_stride, *vi = v + i * A.v_stride;
         const int64_t p = A.packed_slots[i];
@@ -592,8 +594,8 @@ static void write_rows(const WArgs &A) {
             for (int64_t j = A.nk + A.nv; j < A.width; j++) row[j] = (T)0;
         }
         const int64_t w = A.window_slots[i];
-        if (w >= bs) {
-            T *row = (T *)A.window + (w / bs) * A.window_block_stride + (w % bs) * A.window_row;
+        if (w >= wbs) {
+            T *row = (T *)A.window + (w / wbs) * A.window_block_stride + (w % wbs) * A.window_row;
             for (int64_t j = 0; j < A.nkr; j++) row[j] = ki[A.kr_index[j]];
             for (int64_t j = 0; j < A.nvr; j++) row[A.nkr + j] = vi[A.vr_index[j]];
         }
@@ -601,7 +603,7 @@ static void write_rows(const WArgs &A) {
 }
 
 extern "C" int leank_cpu_write(const WArgs *A) {
-    if (A->block_size <= 0 || A->nk + A->nv > A->width || A->nkr + A->nvr > A->window_row) return 2;
+    if (A->block_size <= 0 || A->window_block <= 0 || A->nk + A->nv > A->width || A->nkr + A->nvr > A->window_row) return 2;
     switch (A->elem) {
         case 4: write_rows<uint32_t>(*A); return 0;
         case 2: write_rows<uint16_t>(*A); return 0;
@@ -609,10 +611,11 @@ extern "C" int leank_cpu_write(const WArgs *A) {
     }
 }
 
-// A request's tokens [0, n) with every channel, as K and V of the pages' dtype (what paged_reference.full_rows does
-// in PyTorch with four copies): the dense-prompt rule's prompt chunk reads every earlier prompt token. Element j of
-// a token's K | V row is its packed row's column src[j] when src[j] < width, else its rest row's column
-// src[j] - width (PackedLayout.full_columns). The output is paged: token t goes to block out_table[t / out_block],
+// A request's tokens [first, first + n) with every channel, as K and V of the pages' dtype (what
+// paged_reference.full_rows does in PyTorch with four copies): the dense-prompt rule's prompt chunk reads every earlier
+// prompt token. Element j of a token's K | V row is its packed row's column src[j] when src[j] < width, else its rest
+// row's column src[j] - width (PackedLayout.full_columns). The output is paged: token t (position first + t) goes to
+// block out_table[t / out_block],
 // place t % out_block, element (head h, channel d) at block * s[0] + h * s[1] + place * s[2] + d * s[3] (ks for K,
 // vs for V): dense rows [n, H, D] are one block with strides (0, D, H * D, 1); vLLM's CPU pages hold K transposed
 // in a block. Tokens split over the threads.
@@ -627,16 +630,19 @@ struct GArgs {  // mirrored by _GArgs in cpu_decode.py: keep the order
     const int32_t *out_table;
     int64_t out_block;
     int64_t ks[4], vs[4];
+    int64_t window_block;  // tokens per window page (block_size is the packed pages')
+    int64_t first;         // position of token 0 in the request: token t's rows are those of position first + t
 };
 
 template <class T>
 static void gather_rows(const GArgs &A) {
-    const int64_t bs = A.block_size, H = A.H, D = A.D, HD = H * D, W = A.width;
+    const int64_t bs = A.block_size, wbs = A.window_block, H = A.H, D = A.D, HD = H * D, W = A.width;
     const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < A.n; t++) {
-        const T *p = (const T *)A.packed + (int64_t)A.packed_table[t / bs] * A.packed_block_stride + (t % bs) * A.packed_row;
-        const T *w = (const T *)A.window + (int64_t)A.window_table[t / bs] * A.window_block_stride + (t % bs) * A.window_row;
+        const int64_t pos = A.first + t;
+        const T *p = (const T *)A.packed + (int64_t)A.packed_table[pos / bs] * A.packed_block_stride + (pos % bs) * A.packed_row;
+        const T *w = (const T *)A.window + (int64_t)A.window_table[pos / wbs] * A.window_block_stride + (pos % wbs) * A.window_row;
         const int64_t block = A.out_table[t / A.out_block], place = t % A.out_block;
         T *k = (T *)A.k + block * A.ks[0] + place * A.ks[2], *v = (T *)A.v + block * A.vs[0] + place * A.vs[2];
         for (int64_t h = 0; h < H; h++) {
@@ -653,7 +659,7 @@ static void gather_rows(const GArgs &A) {
 }
 
 extern "C" int leank_cpu_gather(const GArgs *A) {
-    if (A->block_size <= 0 || A->n < 0 || A->H <= 0 || A->D <= 0 || A->threads < 1 || A->out_block <= 0) return 2;
+    if (A->block_size <= 0 || A->window_block <= 0 || A->first < 0 || A->n < 0 || A->H <= 0 || A->D <= 0 || A->threads < 1 || A->out_block <= 0) return 2;
     switch (A->elem) {
         case 4: gather_rows<uint32_t>(*A); return 0;
         case 2: gather_rows<uint16_t>(*A); return 0;

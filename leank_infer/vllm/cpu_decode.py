@@ -94,6 +94,7 @@ class _Args(ctypes.Structure):
         ("rk_off", ctypes.c_void_p),
         ("rk_ch", ctypes.c_void_p),
         ("rv_col", ctypes.c_void_p),
+        ("window_block", ctypes.c_int64),
     ]
 
 
@@ -114,7 +115,7 @@ class _WArgs(ctypes.Structure):
         *[(n, ctypes.c_int64) for n in ("nk", "nv", "width")],
         ("kr_index", ctypes.c_void_p),
         ("vr_index", ctypes.c_void_p),
-        *[(n, ctypes.c_int64) for n in ("nkr", "nvr")],
+        *[(n, ctypes.c_int64) for n in ("nkr", "nvr", "window_block")],
     ]
 
 
@@ -134,6 +135,8 @@ class _GArgs(ctypes.Structure):
         ("out_block", ctypes.c_int64),
         ("ks", ctypes.c_int64 * 4),
         ("vs", ctypes.c_int64 * 4),
+        ("window_block", ctypes.c_int64),
+        ("first", ctypes.c_int64),
     ]
 
 
@@ -252,12 +255,15 @@ def gather(
     k: torch.Tensor,
     v: torch.Tensor,
     out_table: torch.Tensor | None = None,
+    first: int = 0,
 ) -> None:
-    """:func:`leank_infer.vllm.paged_reference.full_rows` of a request's tokens ``[0, n)`` in one call, into ``k`` and
-    ``v`` (the pages' dtype): every token's packed row and rest row put together (its window block must be real, as
-    every prompt block is under the dense-prompt rule while it is computed). ``k``/``v`` are dense rows
+    """:func:`leank_infer.vllm.paged_reference.full_rows` of a request's tokens ``[first, first + n)`` in one call,
+    into ``k`` and ``v`` (the pages' dtype): every token's packed row and rest row put together (its window block must
+    be real, as every prompt block is under the dense-prompt rule while it is computed). The tables are the request's
+    from its first token (the two stores' blocks may hold different numbers of tokens). ``k``/``v`` are dense rows
     ``[>= n, Hkv, D]``, contiguous; or, with ``out_table`` (int32), pages ``[blocks, Hkv, block, D]`` of any strides
-    (vLLM's CPU pages, K transposed in a block), token ``t`` at place ``t % block`` of block ``out_table[t // block]``."""
+    (vLLM's CPU pages, K transposed in a block), token ``first + t`` at place ``t % block`` of block
+    ``out_table[t // block]``."""
     if not available():
         raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
     if out_table is None:
@@ -277,6 +283,8 @@ def gather(
     if not (k.dtype == v.dtype == packed.dtype and 2 * k.shape[1] * k.shape[3] == slot.layout.full_columns.numel()):
         raise ValueError(f"gather needs K/V of {packed.dtype} with this layer's heads and channels, got {k.dtype} "
                          f"{tuple(k.shape)}")  # fmt: skip
+    if first < 0:
+        raise ValueError(f"gather's first token must be >= 0, got {first}")
     if n == 0:
         return
     src = _per_slot(_gather_cache, slot, lambda s: s.layout.full_columns.to("cpu", torch.int64).contiguous())
@@ -290,6 +298,7 @@ def gather(
     a.src, a.width = src.data_ptr(), slot.layout.width
     a.out_table, a.out_block = out_table.data_ptr(), k.shape[2]
     a.ks[:], a.vs[:] = k.stride(), v.stride()
+    a.first = first
     if LIBRARY.lib.leank_cpu_gather(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU gather got bad arguments ({n} tokens for {slot.layout})")
 
@@ -302,6 +311,7 @@ def _set_pages(a: _WArgs | _GArgs, packed: torch.Tensor, window: torch.Tensor, s
     a.window = window.data_ptr() + slot.window_offset * item
     a.packed_block_stride, a.packed_row = packed.stride(0), packed.stride(1)
     a.window_block_stride, a.window_row = window.stride(0), window.stride(1)
+    a.window_block = window.shape[1]
 
 
 def _per_slot(cache: dict[int, tuple[LayerSlot, Any]], slot: LayerSlot, build: Callable[[LayerSlot], Any]) -> Any:
@@ -444,6 +454,7 @@ class LayerKernel:
         a.packed, a.window = packed.data_ptr(), window.data_ptr()
         a.packed_block_stride, a.packed_row = packed.stride(0), packed.shape[2]
         a.window_block_stride, a.window_row = window.stride(0), window.shape[2]
+        a.window_block = window.shape[1]
         a.scale = scale
         if fp8 is not None:
             self._lut = _lut(fp8)

@@ -189,20 +189,18 @@ def attend(
     if batch.earlier and direct:  # one pass: the library writes vLLM's page layout itself
         kp, vp = pages(scratch)
         for (request, first, n, _), blocks in zip(batch.gathers, batch.gather_blocks, strict=True):
-            page = first // batch.page_block  # a run starts at a scratch block, so at a page
             cpu_decode.gather(
-                bound.packed, packed_table[request, page:], bound.window, window_table[request, page:], n, bound.slot,
-                kp, vp, blocks,
+                bound.packed, packed_table[request], bound.window, window_table[request], n, bound.slot, kp, vp, blocks,
+                first,
             )  # fmt: skip
     elif batch.earlier:  # the library's (or PyTorch's) rows, then vLLM's write
         kk = torch.empty(batch.earlier, heads, dim, dtype=q.dtype)
         vv = torch.empty_like(kk)
         plan, slot, packed, window = bound.plan, bound.slot, bound.packed, bound.window
         for request, first, n, row in batch.gathers:
-            page = first // batch.page_block  # a run starts at a scratch block, so at a page
             kernels.prompt_rows(
-                plan, slot, packed, packed_table[request, page:], window, window_table[request, page:], n,
-                kk[row : row + n], vv[row : row + n], *bound.scales,
+                plan, slot, packed, packed_table[request], window, window_table[request], n,
+                kk[row : row + n], vv[row : row + n], *bound.scales, first=first,
             )  # fmt: skip
         put(kk, vv, batch.earlier_slots)
     sliced = isinstance(batch.tokens, slice)

@@ -101,15 +101,17 @@ def prompt_rows(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8: torch.dtype | None = None,
+    *,
+    first: int = 0,
 ) -> None:
-    """Every channel of a request's prompt tokens ``[0, n)`` (their packed and rest rows: the dense-prompt rule keeps
-    the rest rows until the prompt is computed) into ``k``/``v`` ``[>= n, Hkv, D]``: one pass of the CPU library where
-    it covers the pages (:func:`~leank_infer.vllm.cpu_decode.gather`), else PyTorch's
+    """Every channel of a request's prompt tokens ``[first, first + n)`` (their packed and rest rows: the dense-prompt
+    rule keeps the rest rows until the prompt is computed) into ``k``/``v`` ``[>= n, Hkv, D]``: one pass of the CPU
+    library where it covers the pages (:func:`~leank_infer.vllm.cpu_decode.gather`), else PyTorch's
     (:func:`~leank_infer.vllm.paged_reference.full_rows`, four copies; fp8 pages, CUDA)."""
     if cpu_decode.supports_gather(packed, window, k.dtype) and k.is_contiguous() and cpu_decode.available():
-        cpu_decode.gather(packed, packed_table, window, window_table, n, slot, k, v)
+        cpu_decode.gather(packed, packed_table, window, window_table, n, slot, k, v, first=first)
     else:
-        positions = torch.arange(n, device=packed.device)
+        positions = torch.arange(first, first + n, device=packed.device)
         k[:n], v[:n] = full_rows(
             plan, slot, packed, packed_table, window, window_table, positions, k.dtype, k_scale, v_scale, fp8
         )
@@ -209,9 +211,9 @@ def write(
     v_scale: float = 1.0,
     fp8: torch.dtype | None = None,
 ) -> None:
-    """The step's K/V ``[n, Hkv, D]`` into this layer's packed columns (slot ``>= 0``) and window columns (slot
-    ``>= block_size``); on CUDA without host syncs (capturable), on the CPU one call of the C kernel's library
-    (fp8 pages: the PyTorch reference, which scales and rounds)."""
+    """The step's K/V ``[n, Hkv, D]`` into this layer's packed columns (slot ``>= 0``) and window columns (a slot
+    past the null block, block 0); on CUDA without host syncs (capturable), on the CPU one call of the C kernel's
+    library (fp8 pages: the PyTorch reference, which scales and rounds)."""
     if triton_paged.handles(k):
         triton_paged.write(packed, packed_slots, window, window_slots, k, v, slot, k_scale, v_scale, fp8)
     elif cpu_decode.supports_write(packed, window, k, v, fp8) and cpu_decode.available():

@@ -28,7 +28,9 @@ the first (full attention's rule): a cached prefix is then exactly what the requ
 
 It is registered with vLLM's :class:`~vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry`, the
 interface vLLM 0.32 gives out-of-tree code for new spec types (:func:`register`). vLLM allocates,
-counts, frees, caches and preempts these blocks like any other.
+counts, frees, caches and preempts these blocks like any other. :func:`kv_specs` gives vLLM the specs of a worker's
+plan (:class:`~leank_infer.vllm.pool.WorkerPlan`): the packed store's and the window stores', one page size, each
+with its own block size.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from ..mask import MaskError
+from .pool import WorkerPlan, steady_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +58,7 @@ class LeanKWindowSpec(SlidingWindowSpec):
     # window stores share the pool with the one packed store, and the max_model_len the worker planned for
     window_stores: int = 0
     max_model_len: int = 0
+    packed_block_size: int = 0  # tokens per block of the packed store (0: this spec's block_size)
 
     @property
     def sink_blocks(self) -> int:
@@ -67,9 +72,8 @@ class LeanKWindowSpec(SlidingWindowSpec):
         (read by its first queries) and allocates those of ``[c + n - window + 1, c + n)`` (read by
         the next step); the gap between them is never allocated (:class:`LeanKWindowManager`).
         """
-        window = min(self.sliding_window, max_model_len)
-        sink = cdiv(min(self.sink_len, max_model_len), self.block_size)  # no more than the request has
-        return sink + 2 * (cdiv(window, self.block_size) + 1)
+        # no more than the request has
+        return steady_blocks(min(self.sink_len, max_model_len), min(self.sliding_window, max_model_len), self.block_size)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """The most blocks a request of up to ``max_model_len`` tokens holds at once (vLLM admits a request only
@@ -84,10 +88,11 @@ class LeanKWindowSpec(SlidingWindowSpec):
         """(packed, window) blocks one request of ``max_model_len`` tokens holds at once, per store, while its
         prompt is computed: what vLLM's admission asks the pool for (a window store keeps every prompt block
         under ``dense_prompt``, else the sink and the window)."""
-        packed = cdiv(max_model_len, self.block_size)
+        packed = cdiv(max_model_len, self.packed_block_size or self.block_size)
+        prompt = cdiv(max_model_len, self.block_size)
         if self.dense_prompt:
-            return packed, packed
-        return packed, min(packed, self.steady_blocks(max_model_len))
+            return packed, prompt
+        return packed, min(prompt, self.steady_blocks(max_model_len))
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """What vLLM's "KV cache size" report counts per request: the blocks it keeps while decoding (as for
@@ -130,9 +135,10 @@ class LeanKWindowManager(SlidingWindowManager):
         if need > usable:
             rule = "the dense-prompt rule" if spec.dense_prompt else "the positional rule"
             raise MaskError(
-                f"LeanK: the KV pool's {usable} blocks of {spec.block_size} tokens cannot hold one request of "
+                f"LeanK: the KV pool's {usable} blocks cannot hold one request of "
                 f"max_model_len {spec.max_model_len} under {rule}: it needs at least {need} at once ({packed} packed "
-                f"+ {spec.window_stores} window stores x {window}), so vLLM would never admit a request that long; "
+                f"blocks of {spec.packed_block_size or spec.block_size} tokens + {spec.window_stores} window stores x "
+                f"{window} blocks of {spec.block_size}), so vLLM would never admit a request that long; "
                 "give the KV cache more memory (or a larger num_gpu_blocks_override), or lower max_model_len"
                 + (", or serve with leank_rule 'positional'" if spec.dense_prompt else "")
             )
@@ -288,7 +294,6 @@ class LeanKWindowManager(SlidingWindowManager):
         assert isinstance(kv_cache_spec, LeanKWindowSpec)
         if kv_cache_spec.dense_prompt:  # full attention's hit: the cached blocks from the first on
             from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-            from vllm.v1.kv_cache_interface import FullAttentionSpec
 
             full = FullAttentionSpec(block_size=kv_cache_spec.block_size, num_kv_heads=kv_cache_spec.num_kv_heads,
                                      head_size=kv_cache_spec.head_size, dtype=kv_cache_spec.dtype)  # fmt: skip
@@ -337,6 +342,38 @@ class LeanKWindowManager(SlidingWindowManager):
         for i in range(start, min(start + len(mask), spec.sink_blocks)):
             mask[i - start] = True
         return mask
+
+
+def kv_specs(
+    plan: WorkerPlan,
+    dtype: torch.dtype,
+    quant_mode: Any = None,
+    page_bytes: int | None = None,
+    max_model_len: int = 0,
+) -> tuple[Any, Any]:
+    """vLLM specs of the packed store and of (every) window store (blocks of ``plan.block_size`` and
+    ``plan.window_block`` tokens): one page size, ``plan.page_elements``
+    (or ``page_bytes``, at least that, where the model's sliding-window layers share the pool). ``max_model_len``:
+    the engine's, for the window stores' start-up check of the pool (0: none)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    page = plan.page_elements * item
+    if page_bytes is not None:
+        if page_bytes < page:
+            raise ValueError(f"page_bytes {page_bytes} is smaller than the plan's page ({page} bytes)")
+        page = page_bytes
+    common = dict(
+        block_size=plan.block_size, num_kv_heads=plan.num_kv_heads, head_size=plan.head_dim, dtype=dtype,
+        num_head_slots=1, page_size_padded=page,
+    )  # fmt: skip
+    if quant_mode is not None:
+        common["kv_quant_mode"] = quant_mode
+    packed = FullAttentionSpec(state_content_bytes=plan.packed_row * item, **common)
+    window = LeanKWindowSpec(
+        state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink,
+        dense_prompt=plan.dense_prompt, window_stores=len(plan.window_layers) if max_model_len else 0,
+        max_model_len=max_model_len, packed_block_size=plan.block_size, **{**common, "block_size": plan.window_block},
+    )  # fmt: skip
+    return packed, window
 
 
 _registered = False

@@ -153,7 +153,7 @@ def write_pages(
     the tokens whose window block is real (vLLM's slot -1 pads; the null block 0 holds nothing).
 
     PyTorch, with boolean indexing (a host sync): the reference of the Triton write, which CUDA runs."""
-    bs = packed.shape[1]
+    bs, wbs = packed.shape[1], window.shape[1]  # the two stores' blocks may hold different numbers of tokens
     layout = slot.layout.to(k.device)
     rows = layout.pack(k, v)
     full = layout.pack_rest(k, v)
@@ -168,9 +168,9 @@ def write_pages(
         p, rows = p[keep], rows[keep]
     packed[p // bs, p % bs, slot.packed_offset : slot.packed_offset + rows.shape[1]] = rows
     w = window_slots.long()
-    keep = w >= bs  # -1: padding, [0, bs): the null block (a token no later query reads fully)
+    keep = w >= wbs  # -1: padding, [0, wbs): the null block (a token no later query reads fully)
     w, full = w[keep], full[keep]
-    window[w // bs, w % bs, slot.window_offset : slot.window_offset + full.shape[1]] = full
+    window[w // wbs, w % wbs, slot.window_offset : slot.window_offset + full.shape[1]] = full
 
 
 def _to_fp8(x: torch.Tensor, nk: int, k_scale: float, v_scale: float, fp8: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,9 @@ of blocks between groups: :func:`vllm.v1.core.kv_cache_utils.unify_kv_cache_spec
 layer's page size depends on its mask row. So the layers do not get a page each: the packed store
 holds all of them side by side in one row (one group, any mix of kept counts, no padding but the
 tensor-parallel one below), and the window stores hold as many layers' rest rows as fit in a packed
-page (layers in order, a new store where the next one does not fit), padded to it. The model's attention layers share the packed store's cache and block table
+page (layers in order, a new store where the next one does not fit), padded to it. A window page holds a
+block size of its own (:func:`fit_window_block`), so that its rows may be wider or narrower than a packed
+row and the pages still be full. The model's attention layers share the packed store's cache and block table
 through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
 columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
 out in its own row; the row is as wide as the widest rank's (all ranks must have the same pages), so
@@ -29,8 +31,8 @@ a rank whose heads keep fewer channels over the whole model pads the end of its 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -39,7 +41,7 @@ from .layout import PackedLayout
 
 PACKED_SUFFIX = "leank_packed"
 WINDOW_SUFFIX = "leank_window"
-DEFAULT_BLOCK_SIZE = 16  # tokens per LeanK page unless the user sets --block-size: the window's blocks stay small
+DEFAULT_BLOCK_SIZE = 16  # tokens per packed page unless the user sets --block-size
 
 
 def kv_heads_of_rank(total: int, tp_size: int, rank: int) -> list[int]:
@@ -108,6 +110,11 @@ class WorkerPlan:
     recent: int
     accumu: int
     dense_prompt: bool = False  # the "dense-prompt" rule: prompt queries read every prompt token's full row
+    window_block: int = 0  # tokens per window page (its own block size; 0: block_size)
+
+    def __post_init__(self) -> None:
+        if not self.window_block:
+            object.__setattr__(self, "window_block", self.block_size)
 
     @classmethod
     def build(
@@ -119,12 +126,18 @@ class WorkerPlan:
         block_size: int = DEFAULT_BLOCK_SIZE,
         stages: list[list[int]] | None = None,
         dense_prompt: bool = False,
+        fit_window: bool = True,
+        prefix_align: int | None = None,
     ) -> WorkerPlan:
         """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``.
 
         ``stages``: the layers of every pipeline stage (default: this worker's only). Every worker of
         the engine must have the same page size, so the packed row is the widest any (stage, rank)
         needs, and the window stores are cut from it the same way everywhere.
+
+        ``fit_window``: give the window stores a block size of their own (:func:`fit_window_block`, prefix-cache hits
+        aligned to at most ``prefix_align`` tokens, default ``block_size``) so that their pages, as large as a packed
+        page, are filled; else they hold ``block_size`` tokens as the packed pages do.
         """
         total_heads, head_dim = mask.num_kv_heads, mask.head_dim
         ranks = [kv_heads_of_rank(total_heads, tp_size, r) for r in range(tp_size)]
@@ -148,24 +161,29 @@ class WorkerPlan:
             return full - min(packed_width(mask.keep[layer][r]) for r in ranks)
 
         rest = {layer: rest_of(layer) for layer in layers}
-        capacity = max([offset, *(rest_of(layer) for stage in (stages or [layers]) for layer in stage)])
-        stores: list[list[int]] = [[]]
-        used = 0
-        for layer in layers:
-            if stores[-1] and used + rest[layer] > capacity:
-                stores.append([])
-                used = 0
-            s = slots[layer]
-            at = used if rest[layer] else 0  # a layer with no rest row: a column nothing reads, inside the page
-            slots[layer] = LayerSlot(s.layer, s.layout, s.packed_offset, s.packed_width, len(stores) - 1, at, rest[layer])
-            stores[-1].append(layer)
-            used += rest[layer]
+        all_rests = [[rest_of(layer) for layer in stage] for stage in (stages or [layers])]
+        window = mask.recent_size + mask.accumu_size
+        if fit_window:
+            window_block, capacity = fit_window_block(
+                offset, all_rests, block_size, mask.sink_size, window, prefix_align or block_size
+            )
+        else:  # the packed block: a store's row is as wide as a packed row, or as the widest rest row if wider
+            window_block, capacity = block_size, max([offset, *(r for stage in all_rests for r in stage)])
+        stores = [[layers[j] for j in store] for store in split_stores([rest[layer] for layer in layers], capacity)]
+        for i, store in enumerate(stores):
+            at = 0
+            for layer in store:  # a layer with no rest row: a column nothing reads, inside the page
+                s = slots[layer]
+                slots[layer] = LayerSlot(
+                    s.layer, s.layout, s.packed_offset, s.packed_width, i, at if rest[layer] else 0, rest[layer]
+                )
+                at += rest[layer]
         window_row = max(max(1, sum(rest[layer] for layer in store)) for store in stores)
-        if capacity > offset:  # some stage's rest row is wider than a packed row: every stage's page is that wide
+        if window_block * capacity > block_size * offset:  # a rest row wider than a packed page: so is every stage's
             window_row = capacity
         return cls(
             slots, offset, window_row, tuple(tuple(store) for store in stores), len(mine), head_dim, block_size,
-            mask.sink_size, mask.recent_size, mask.accumu_size, dense_prompt,
+            mask.sink_size, mask.recent_size, mask.accumu_size, dense_prompt, window_block,
         )  # fmt: skip
 
     @property
@@ -176,43 +194,61 @@ class WorkerPlan:
     @property
     def page_elements(self) -> int:
         """Elements of one page of every store (the larger of the packed and the window content)."""
-        return self.block_size * max(self.packed_row, self.window_row)
+        return max(self.block_size * self.packed_row, self.window_block * self.window_row)
 
     def bytes_per_token(self, itemsize: int) -> float:
         """Packed bytes a token costs once it has left the window (all LeanK layers of the worker)."""
         return self.packed_row * itemsize
 
 
-def kv_specs(
-    plan: WorkerPlan,
-    dtype: torch.dtype,
-    quant_mode: Any = None,
-    page_bytes: int | None = None,
-    max_model_len: int = 0,
-) -> tuple[Any, Any]:
-    """vLLM specs of the packed store and of (every) window store: one page size, ``plan.page_elements``
-    (or ``page_bytes``, at least that, where the model's sliding-window layers share the pool). ``max_model_len``:
-    the engine's, for the window stores' start-up check of the pool (0: none)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def split_stores(rests: list[int], capacity: int) -> list[list[int]]:
+    """The layers (indices into ``rests``, the rest row of each, in order) of each window store: as many as fit in
+    ``capacity`` elements per token, a new store where the next one does not fit."""
+    stores: list[list[int]] = [[]]
+    used = 0
+    for i, r in enumerate(rests):
+        if stores[-1] and used + r > capacity:
+            stores.append([])
+            used = 0
+        stores[-1].append(i)
+        used += r
+    return stores
 
-    from .kv_specs import LeanKWindowSpec
 
-    item = torch.empty((), dtype=dtype).element_size()
-    page = plan.page_elements * item
-    if page_bytes is not None:
-        if page_bytes < page:
-            raise ValueError(f"page_bytes {page_bytes} is smaller than the plan's page ({page} bytes)")
-        page = page_bytes
-    common = dict(
-        block_size=plan.block_size, num_kv_heads=plan.num_kv_heads, head_size=plan.head_dim, dtype=dtype,
-        num_head_slots=1, page_size_padded=page,
-    )  # fmt: skip
-    if quant_mode is not None:
-        common["kv_quant_mode"] = quant_mode
-    packed = FullAttentionSpec(state_content_bytes=plan.packed_row * item, **common)
-    window = LeanKWindowSpec(
-        state_content_bytes=plan.window_row * item, sliding_window=plan.window, sink_len=plan.sink,
-        dense_prompt=plan.dense_prompt, window_stores=len(plan.window_layers) if max_model_len else 0,
-        max_model_len=max_model_len, **common,
-    )  # fmt: skip
-    return packed, window
+def steady_blocks(sink: int, window: int, block: int) -> int:
+    """Window blocks a decoding request holds at most: its sink and two windows (the one it keeps, the one the step
+    fills), as :meth:`~leank_infer.vllm.kv_specs.LeanKWindowSpec.steady_blocks` counts them."""
+    return -(-sink // block) + 2 * (-(-window // block) + 1)
+
+
+def fit_window_block(
+    packed_row: int, rests: list[list[int]], block_size: int, sink: int, window: int, align: int
+) -> tuple[int, int]:
+    """(tokens per window page, elements per token of a window store) for a packed row of ``packed_row`` elements in
+    pages of ``block_size`` tokens, and the rest rows ``rests`` of every pipeline stage's layers.
+
+    Every page in vLLM's pool is the same size, a packed page. A window store whose block holds ``block_size``
+    tokens, as a packed one does, holds whole layers' rest rows up to a packed row's width, and its last store is
+    partly empty; a prompt token in flight pays for that (up to 1.5x a plain token). A window block of ``w`` tokens
+    holds rows up to ``block_size * packed_row / w`` wide instead. vLLM aligns prefix-cache hits to the least common
+    multiple of the block sizes (and hashes prompts at their greatest common divisor), so only a ``w`` whose multiple
+    with the packed block is at most ``align`` tokens (or the packed block) is taken: the one whose stores cost a
+    prompt token in flight least (within 1%, the fewest stores), among those whose stores cost a decoding request no
+    more window blocks' bytes (sink and two windows) than ``block_size`` tokens would."""
+    page = max(block_size * packed_row, *(r for stage in rests for r in stage))
+    align = max(align, block_size)
+
+    def cost(w: int) -> tuple[int, float, int] | None:
+        capacity = page // w
+        if any(r > capacity for stage in rests for r in stage):
+            return None
+        stores = max(len(split_stores(stage, capacity)) for stage in rests)
+        return stores, stores * page / w, stores * steady_blocks(sink, window, w)
+
+    fits = {w: c for w in range(1, align + 1) if math.lcm(w, block_size) <= align and (c := cost(w)) is not None}
+    same = fits.get(block_size)
+    if same is not None:
+        fits = {w: c for w, c in fits.items() if c[2] <= same[2]}
+    best = min(c[1] for c in fits.values())
+    w = min((w for w, c in fits.items() if c[1] <= best * 1.01), key=lambda w: (fits[w][0], fits[w][1], -w))
+    return w, page // w

@@ -12,7 +12,11 @@ vLLM's place for settings of out-of-tree code is ``additional_config`` (``vllm s
 - ``leank_rule``: ``"dense-prompt"`` (default: the prompt attends with every channel, each generated token by
   its position; a request holds the rest of its prompt's channels in the pool while the prompt is computed) or
   ``"positional"`` (the prompt by its position too: no such rows, lower accuracy on long prompts). Both are
-  rules of ``LeanKModel(rule=...)``, so the two paths give the same tokens.
+  rules of ``LeanKModel(rule=...)``, so the two paths give the same tokens,
+- ``leank_prefix_align``: the most tokens vLLM may align prefix-cache hits to (default: the packed pages' block,
+  16), so that LeanK's window pages may hold a number of tokens of their own that fills them
+  (:func:`~leank_infer.vllm.pool.fit_window_block`): a larger value (say 256) holds a prompt token in flight in
+  fewer bytes, and a prefix-cache hit then leaves up to that many tokens to recompute.
 
 The environment variable ``LEANK_MASK`` names a mask when ``additional_config`` does not (handy
 for scripts that cannot change the engine arguments). Without either, the plugin does nothing.
@@ -33,7 +37,8 @@ KEY_MASK = "leank_mask"
 KEY_REVISION = "leank_mask_revision"
 KEY_CHECK = "leank_check_base_model"
 KEY_RULE = "leank_rule"
-_KEYS = (KEY_MASK, KEY_REVISION, KEY_CHECK, KEY_RULE)
+KEY_ALIGN = "leank_prefix_align"
+_KEYS = (KEY_MASK, KEY_REVISION, KEY_CHECK, KEY_RULE, KEY_ALIGN)
 SERVED_RULES = (DENSE_PROMPT, POSITIONAL)
 
 _lock = threading.Lock()
@@ -48,6 +53,7 @@ class LeanKSettings:
     revision: str | None = None
     check_base_model: bool = True
     rule: str = DENSE_PROMPT
+    prefix_align: int | None = None  # tokens; None: the packed pages' block size
 
     @property
     def dense_prompt(self) -> bool:
@@ -91,7 +97,10 @@ def settings_from(additional_config: Any) -> LeanKSettings | None:
     rule = cfg.get(KEY_RULE, DENSE_PROMPT)
     if rule not in SERVED_RULES:
         raise MaskError(f"additional_config[{KEY_RULE!r}] must be one of {list(SERVED_RULES)}, got {rule!r}")
-    return LeanKSettings(mask, revision, check, rule)
+    align = cfg.get(KEY_ALIGN)
+    if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
+        raise MaskError(f"additional_config[{KEY_ALIGN!r}] must be a whole number of tokens (>= 1), got {align!r}")
+    return LeanKSettings(mask, revision, check, rule, align)
 
 
 def load_checked_mask(settings: LeanKSettings, hf_config: Any, served_name: str | None = None) -> ChannelMask:

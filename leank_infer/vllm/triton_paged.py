@@ -31,7 +31,7 @@ the GPU saturates where PyTorch gives NaN (e4m3fn) or inf (e5m2).
 
 :func:`write` puts a step's K/V into the pages (the capture-safe form of the PyTorch write
 :func:`~leank_infer.vllm.paged_reference.write_pages`): ``_write_kernel``, one program per token,
-skips padding (slot ``< 0``) and window slots in the null block (slot ``< block_size``) on the device.
+skips padding (slot ``< 0``) and window slots in the null block (slot ``<`` the window block size) on the device.
 
 Per-layer channel tables live on the device, built once per layer and device (:func:`prepare`); build
 them before a CUDA graph capture (the backend does when it plans the worker): creating them copies
@@ -138,8 +138,8 @@ def _attend(acc, m_i, l_i, q, k, v, ok, qk_scale, PREC: tl.constexpr):
 def _full_range(
     acc, m_i, l_i, q, lo, hi, PACKED, ptab, sp_blk, sp_row, WIN, wtab, sw_blk, sw_row, kp, kr, v_col, v_rest,
     qk_scale,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-    FP8: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WIN_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, FP8: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[lo, hi)`` with every channel: K channel d of the head from the packed row's column ``kp[d]`` or the
     rest row's ``kr[d]`` (the other is -1), V from column ``v_col`` of the rest row (``v_rest``) or the packed row
@@ -151,9 +151,9 @@ def _full_range(
         pos = start + offs_n
         ok = pos < hi
         pblk = tl.load(ptab + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        wblk = tl.load(wtab + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        wblk = tl.load(wtab + pos // WIN_BLOCK, mask=ok, other=0).to(tl.int64)
         prow = PACKED + pblk * sp_blk + (pos % BLOCK_SIZE) * sp_row
-        wrow = WIN + wblk * sw_blk + (pos % BLOCK_SIZE) * sw_row
+        wrow = WIN + wblk * sw_blk + (pos % WIN_BLOCK) * sw_row
         k = tl.load(prow[None, :] + kp[:, None], mask=ok[None, :] & (kp >= 0)[:, None], other=0) + tl.load(
             wrow[None, :] + kr[:, None], mask=ok[None, :] & (kr >= 0)[:, None], other=0
         )  # each element from one of the two rows (the other load is masked to 0)
@@ -171,7 +171,7 @@ def _decode_kernel(
     sq_b, sq_h, sp_blk, sp_row, spt_b, sw_blk, sw_row, swt_b, so_b, so_h,
     packed_offset, window_offset, qk_scale, v_scale,
     SINK: tl.constexpr, RECENT: tl.constexpr, ACCUMU: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+    WIN_BLOCK: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
@@ -209,12 +209,12 @@ def _decode_kernel(
     acc, m_i, l_i = _full_range(
         acc, m_i, l_i, q, lo, tl.minimum(hi, SINK), PACKED + packed_offset, ptab, sp_blk, sp_row,
         WIN + window_offset, wtab, sw_blk, sw_row, kp, kr, full_v, v_rest, qk_scale,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, D, FP8, PREC,
+        BLOCK_SIZE, WIN_BLOCK, BLOCK_N, BLOCK_D, D, FP8, PREC,
     )  # fmt: skip
     acc, m_i, l_i = _full_range(
         acc, m_i, l_i, q, tl.maximum(lo, full_from), hi, PACKED + packed_offset, ptab, sp_blk, sp_row,
         WIN + window_offset, wtab, sw_blk, sw_row, kp, kr, full_v, v_rest, qk_scale,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, D, FP8, PREC,
+        BLOCK_SIZE, WIN_BLOCK, BLOCK_N, BLOCK_D, D, FP8, PREC,
     )  # fmt: skip
 
     # middle: the head's kept K channels and its V, from the packed rows
@@ -306,7 +306,8 @@ def _write_kernel(
     K, V, PSLOT, WSLOT, PACKED, WIN, SRC, RSRC,
     sk_n, sk_h, sv_n, sv_h, sp_blk, sp_row, sw_blk, sw_row,
     packed_offset, window_offset, width, nk, rest_width, nkr, k_scale, v_scale,
-    HD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, FP8: tl.constexpr,
+    HD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, WIN_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_W)
@@ -320,8 +321,8 @@ def _write_kernel(
             x = _gather(K, V, t, src, ok, sk_n, sk_h, sv_n, sv_h, HD, D)
             tl.store(dst + c, _stored(x, c < nk, k_scale, v_scale, PACKED, FP8), mask=ok)
     ws = tl.load(WSLOT + t).to(tl.int64)
-    if ws >= BLOCK_SIZE:  # -1: padding; [0, BLOCK_SIZE): the null block, which nothing reads
-        dst = WIN + (ws // BLOCK_SIZE) * sw_blk + (ws % BLOCK_SIZE) * sw_row + window_offset
+    if ws >= WIN_BLOCK:  # -1: padding; [0, WIN_BLOCK): the null block, which nothing reads
+        dst = WIN + (ws // WIN_BLOCK) * sw_blk + (ws % WIN_BLOCK) * sw_row + window_offset
         for c0 in range(0, rest_width, BLOCK_W):
             c = c0 + offs
             ok = c < rest_width
@@ -451,9 +452,9 @@ def decode(
         raise ValueError(f"q {tuple(q.shape)} does not fit {hkv} KV heads of {plan.head_dim} channels")
     packed, code = _as_stored(packed, fp8)
     window, _ = _as_stored(window, fp8)
-    bs = packed.shape[1]
-    if window.shape[1] != bs or packed.stride(2) != 1 or window.stride(2) != 1:
-        raise ValueError("packed and window pages need one block size and contiguous rows")
+    bs, wbs = packed.shape[1], window.shape[1]  # tokens per block of each store
+    if packed.stride(2) != 1 or window.stride(2) != 1:
+        raise ValueError("packed and window pages need contiguous rows")
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -476,7 +477,7 @@ def decode(
         q.stride(0), q.stride(1), packed.stride(0), packed.stride(1), packed_table.stride(0),
         window.stride(0), window.stride(1), window_table.stride(0), out.stride(0), out.stride(1),
         slot.packed_offset, slot.window_offset, scale * _LOG2E * k_scale, v_scale,
-        SINK=plan.sink, RECENT=plan.recent, ACCUMU=plan.accumu, BLOCK_SIZE=bs,
+        SINK=plan.sink, RECENT=plan.recent, ACCUMU=plan.accumu, BLOCK_SIZE=bs, WIN_BLOCK=wbs,
         HKV=hkv, G=g, D=d, S=s, BLOCK_G=_pow2(g), BLOCK_D=block_d, BLOCK_C=_pow2(max_count), BLOCK_N=BLOCK_N,
         FP8=code, PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=s == 1,
     )  # fmt: skip
@@ -502,16 +503,16 @@ def write(
 ) -> None:
     """The step's K/V ``[n, Hkv, D]`` into this layer's columns, as
     :func:`~leank_infer.vllm.paged_reference.write_pages` does, in one launch without host syncs: a packed
-    row at every ``packed_slots`` entry ``>= 0``, a rest row at every ``window_slots`` entry ``>= block_size``."""
+    row at every ``packed_slots`` entry ``>= 0``, a rest row at every ``window_slots`` entry ``>=`` the window block."""
     _load()
     n = k.shape[0]
     if n == 0:
         return
     packed, code = _as_stored(packed, fp8)
     window, _ = _as_stored(window, fp8)
-    bs = packed.shape[1]
-    if window.shape[1] != bs or packed.stride(2) != 1 or window.stride(2) != 1:
-        raise ValueError("packed and window pages need one block size and contiguous rows")
+    bs, wbs = packed.shape[1], window.shape[1]  # tokens per block of each store
+    if packed.stride(2) != 1 or window.stride(2) != 1:
+        raise ValueError("packed and window pages need contiguous rows")
     if k.stride(2) != 1:
         k = k.contiguous()
     if v.stride(2) != 1:
@@ -525,5 +526,5 @@ def write(
         packed.stride(0), packed.stride(1), window.stride(0), window.stride(1),
         slot.packed_offset, slot.window_offset, layout.width, layout.k_index.numel(),
         layout.rest_width, layout.kr_index.numel(), k_scale, v_scale,
-        HD=hd, D=layout.head_dim, BLOCK_SIZE=bs, BLOCK_W=WRITE_BLOCK, FP8=code,
+        HD=hd, D=layout.head_dim, BLOCK_SIZE=bs, WIN_BLOCK=wbs, BLOCK_W=WRITE_BLOCK, FP8=code,
     )  # fmt: skip

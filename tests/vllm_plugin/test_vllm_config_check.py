@@ -107,7 +107,7 @@ def test_a_mask_must_prune_some_token_at_max_model_len(max_model_len, pruned):
 
 
 # ---- the pool: one request of max_model_len must fit (else vLLM admits none, ever, and says nothing) -------------
-def _manager(num_blocks: int, dense_prompt: bool, window_stores: int = 2, max_model_len: int = 1536):
+def _manager(num_blocks: int, dense_prompt: bool, window_stores: int = 2, max_model_len: int = 1536, window_block: int = 16):
     import torch
     from vllm.v1.core.block_pool import BlockPool
 
@@ -115,8 +115,8 @@ def _manager(num_blocks: int, dense_prompt: bool, window_stores: int = 2, max_mo
 
     register()
     spec = LeanKWindowSpec(
-        block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32, sliding_window=80, sink_len=16,
-        dense_prompt=dense_prompt, window_stores=window_stores, max_model_len=max_model_len,
+        block_size=window_block, num_kv_heads=3, head_size=64, dtype=torch.float32, sliding_window=80, sink_len=16,
+        dense_prompt=dense_prompt, window_stores=window_stores, max_model_len=max_model_len, packed_block_size=16,
     )  # fmt: skip
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
     return LeanKWindowManager(
@@ -124,25 +124,29 @@ def _manager(num_blocks: int, dense_prompt: bool, window_stores: int = 2, max_mo
     )
 
 
-@pytest.mark.parametrize("dense_prompt, num_blocks, fits", [
-    (True, 289, True),  # 96 packed + 2 window stores x 96 prompt blocks = 288, plus vLLM's null block
-    (True, 288, False),
-    (False, 96 + 2 * 13 + 1, True),  # positional: a window store holds the sink and two windows, 13 blocks
-    (False, 96 + 2 * 13, False),
+@pytest.mark.parametrize("dense_prompt, num_blocks, fits, window_block", [
+    (True, 289, True, 16),  # 96 packed + 2 window stores x 96 prompt blocks = 288, plus vLLM's null block
+    (True, 288, False, 16),
+    (False, 96 + 2 * 13 + 1, True, 16),  # positional: a window store holds the sink and two windows, 13 blocks
+    (False, 96 + 2 * 13, False, 16),
+    (True, 96 + 2 * 171 + 1, True, 9),  # window blocks of 9 tokens: 1536 prompt tokens are 171 of them
+    (True, 96 + 2 * 171, False, 9),
+    (False, 96 + 2 * 22, False, 9),  # the sink (2 blocks of 9) and two windows of 80 (2 x (9 + 1))
 ])  # fmt: skip
 def test_a_pool_too_small_for_one_request_of_max_model_len_is_refused_at_start(
-    dense_prompt, num_blocks, fits
+    dense_prompt, num_blocks, fits, window_block
 ):
     from leank_infer import MaskError
 
     if fits:
-        _manager(num_blocks, dense_prompt)
+        _manager(num_blocks, dense_prompt, window_block=window_block)
         return
     rule = "dense-prompt" if dense_prompt else "positional"
-    need = 288 if dense_prompt else 96 + 2 * 13
+    window = (171 if dense_prompt else 22) if window_block == 9 else (96 if dense_prompt else 13)
+    need = 96 + 2 * window
     with pytest.raises(MaskError) as err:
-        _manager(num_blocks, dense_prompt)
-    assert (f"the KV pool's {num_blocks - 1} blocks of 16 tokens cannot hold one request of max_model_len 1536 "
+        _manager(num_blocks, dense_prompt, window_block=window_block)
+    assert (f"the KV pool's {num_blocks - 1} blocks cannot hold one request of max_model_len 1536 "
             f"under the {rule} rule: it needs at least {need} at once") in str(err.value)  # fmt: skip
 
 
@@ -174,7 +178,7 @@ def test_an_engine_whose_pool_cannot_hold_one_long_prompt_stops_at_start(model_d
         ]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert (
-        "the KV pool's 159 blocks of 16 tokens cannot hold one request of max_model_len 1536 under the "
+        "the KV pool's 159 blocks cannot hold one request of max_model_len 1536 under the "
         "dense-prompt rule"
         in str(err.value)
         and "\n" not in str(err.value)

@@ -27,13 +27,16 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> tor
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
-def step(lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype, fp8, seed: int):
+def step(
+    lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype, fp8, seed: int, window_block=None
+):  # noqa: ANN001
     """Pages of requests whose prompts are ``lengths`` long, and a step of ``2 + sum(n) + gap`` tokens: two decode
     tokens, then for each ``(request, cached, n)`` its chunk of ``n`` prompt queries after ``cached`` tokens (``gap``
-    tokens of other work after the first chunk). The chunks' own K/V are not the pages': the step's are used."""
+    tokens of other work after the first chunk). The chunks' own K/V are not the pages': the step's are used. The
+    window pages hold the plan's tokens per block (16 for this mask, as the packed pages do) unless ``window_block``."""
     mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=seed, **EMBEDDED)
     pg = random_pages(mask, lengths, layer=1, q_heads=9, block_size=16, dtype=dtype, fp8=fp8, seed=seed,
-                      whole_window=True)  # fmt: skip
+                      whole_window=True, window_block=window_block)  # fmt: skip
     g = torch.Generator().manual_seed(seed + 1)
     total = 2 + sum(n for _, _, n in chunks) + gap
     q = torch.randn(total, 9, 64, generator=g).to(pg.q.dtype)
@@ -113,12 +116,13 @@ def test_each_request_reads_its_own_blocks():
 def test_requests_sharing_a_cached_prefix_share_its_scratch_blocks(path, monkeypatch):
     """Requests whose tables share their first pages (a prefix-cache hit) gather those tokens once, into scratch blocks
     they all read; the tokens after the shared pages each request gathers itself; every query still equals causal
-    attention over its own request's tokens."""
-    pg, q, k, v, rows = step([300, 300, 300], [(0, 256, 10), (1, 256, 20), (2, 200, 5)], 0, torch.float32, None, 7)
+    attention over its own request's tokens. Window pages of 8 tokens (vLLM hits a prefix at a multiple of both block
+    sizes: 16 here)."""
+    pg, q, k, v, rows = step([300, 300, 300], [(0, 256, 10), (1, 256, 20), (2, 200, 5)], 0, torch.float32, None, 7, 8)
     packed_table, window_table = pg.packed_table.clone(), pg.window_table.clone()
-    for request, pages in ((1, 16), (2, 8)):  # request 1 shares 256 tokens with request 0, request 2 128
-        packed_table[request, :pages] = packed_table[0, :pages]
-        window_table[request, :pages] = window_table[0, :pages]
+    for request, tokens in ((1, 256), (2, 128)):  # request 1 shares 256 tokens with request 0, request 2 128
+        packed_table[request, : tokens // 16] = packed_table[0, : tokens // 16]
+        window_table[request, : tokens // 8] = window_table[0, : tokens // 8]
     batch = planned(path, monkeypatch, None, rows, packed_table, 16, 9, 3, 64, q.dtype)
     assert batch.earlier == 256 + 72 and batch.gathers == ((0, 0, 256, 0), (2, 128, 72, 256))
     assert [b.tolist() for b in batch.gather_blocks] == [[0, 1], [4]]  # request 0's two blocks; request 2's third

@@ -65,7 +65,8 @@ def test_pages_are_shared_without_padding_the_windowed_layers(layers, keep, user
 
     from leank_infer.mask import ChannelMask
     from leank_infer.vllm.backend import _share_pages
-    from leank_infer.vllm.pool import WorkerPlan, kv_specs
+    from leank_infer.vllm.kv_specs import kv_specs
+    from leank_infer.vllm.pool import WorkerPlan
 
     mask = ChannelMask(keep=torch.rand(layers, 1, 64, generator=torch.Generator().manual_seed(layers)) < keep,
                        sink_size=16, recent_size=32, accumu_size=16, ratio=1 - keep, align=1)  # fmt: skip

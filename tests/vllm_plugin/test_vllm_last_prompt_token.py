@@ -2,15 +2,20 @@
 under the default dense-prompt rule it is a prompt query, which attends to the prompt with every channel.
 
 Found by the soak test (tests/vllm_plugin/test_vllm_soak.py): a 609-token prompt (609 = 38 blocks of 16 + 1) sent
-again after it was computed hit 608 tokens, its last prompt token ran LeanK's decode attention, and its greedy
+again after it was computed hit 608 tokens (vLLM hits a prefix at a multiple of every KV cache group's block size:
+the packed pages' and the window pages'), its last prompt token ran LeanK's decode attention, and its greedy
 tokens left LeanKModel's from the tenth on. Its own engine (enforce_eager: nothing to compile), one prompt.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
+
+from leank_infer import ChannelMask
+from leank_infer.vllm.pool import WorkerPlan
 
 from .conftest import ENGINE, MASK, reference_tokens
 from .test_vllm_plugin import prose, run
@@ -25,7 +30,9 @@ def test_a_hit_that_leaves_the_last_prompt_token_equals_leank_model(model_dir, t
 
     llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, enforce_eager=True, **ENGINE)
     try:
-        block = llm.llm_engine.vllm_config.cache_config.block_size
+        mask = ChannelMask.from_pretrained(MASK)
+        plan = WorkerPlan.build(mask, list(range(mask.num_layers)), dense_prompt=True)
+        block = math.lcm(plan.block_size, plan.window_block)  # vLLM hits prefixes at multiples of every group's block
         ask = tokenizer("\n\nWhat is the first topic above?").input_ids
         doc = prose(tokenizer)[4000:]
         prompt = doc[: 600 - (600 + len(ask) - 1) % block] + ask  # one token past whole blocks

@@ -69,12 +69,13 @@ def test_every_leank_byte_is_in_vllms_pool_and_its_report(leank_llm):
     """The KV cache size vLLM reports counts the packed and the window pages, and nothing lives outside."""
     from vllm.utils.math_utils import cdiv
 
-    from leank_infer.vllm.pool import kv_specs
+    from leank_infer.vllm.kv_specs import kv_specs
 
     cfg = leank_llm.llm_engine.vllm_config
     impls = leank_impls(leank_llm)
     assert len(impls) == 30 and all(i.slot is not None for i in impls)
     plan = impls[0].plan
+    assert (plan.block_size, plan.window_block, len(plan.window_layers)) == (16, 8, 1)  # pool.fit_window_block
     packed, window = kv_specs(plan, torch.float32)
     num_blocks = cfg.cache_config.num_gpu_blocks
     assert num_blocks == KV_SPACE_GIB * 2**30 // packed.page_size_bytes  # one pool, one page size
@@ -129,13 +130,16 @@ def unchunked(leank_llm, shared, prompts) -> list[list[int]]:
     return generate(leank_llm, shared + prompts)
 
 
-@pytest.mark.parametrize("budget", [256, 1024])
-def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget):
-    """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run)."""
+@pytest.mark.parametrize("budget, align", [(256, None), (1024, None), (256, 256)])
+def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget, align):
+    """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run); so do
+    window pages of 9 tokens (``leank_prefix_align`` 256: hits at multiples of 144 tokens)."""
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, max_num_batched_tokens=budget, **ENGINE)
+    config = {"leank_mask": MASK} | ({"leank_prefix_align": align} if align else {})
+    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=budget, **ENGINE)
     try:
+        assert leank_impls(llm)[0].plan.window_block == (9 if align else 8)
         assert generate(llm, shared + prompts) == unchunked
     finally:
         del llm
