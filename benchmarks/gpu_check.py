@@ -597,8 +597,8 @@ def graph_case(mask, layer: int, bs: int, warm: bool, device: torch.device, leng
         seq.copy_(torch.tensor(lengths, dtype=torch.int32))
         p = (seq.long() - 1).clamp(min=0)
         rows = torch.arange(batch, device=device)
-        for store, table in ((pslot, pages.packed_table), (wslot, pages.window_table)):
-            store.copy_(torch.where(seq > 0, table[rows, p // bs].long() * bs + p % bs, -1))
+        for store, table, b in ((pslot, pages.packed_table, bs), (wslot, pages.window_table, plan.window_block)):
+            store.copy_(torch.where(seq > 0, table[rows, p // b].long() * b + p % b, -1))
 
     def step() -> None:
         triton_paged.write(pages.packed, pslot, pages.window, wslot, k, v, slot)

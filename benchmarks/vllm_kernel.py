@@ -124,12 +124,14 @@ def leank_pages(plan, batch: int, context: int, g: torch.Generator, bs: int = 16
     n_blocks = batch * per_req + 1
     packed = torch.randn(n_blocks, 1, bs, plan.packed_row, generator=g)
     table = (torch.randperm(n_blocks - 1, generator=g)[: batch * per_req] + 1).view(batch, per_req).int()
-    # window pages: the sink's blocks and the window's, as the engine keeps them (null block 0 elsewhere)
-    p = context - 1
-    keep = [i for i in range(per_req) if i * bs < plan.sink or (i + 1) * bs > p - plan.window]
+    # window pages (of the plan's own block size): the sink's blocks and the window's, as the engine keeps them (null
+    # block 0 elsewhere)
+    p, wbs = context - 1, plan.window_block
+    per_win = -(-context // wbs)
+    keep = [i for i in range(per_win) if i * wbs < plan.sink or (i + 1) * wbs > p - plan.window]
     w_blocks = batch * len(keep) + 1
-    window = torch.randn(w_blocks, 1, bs, plan.window_row, generator=g)
-    wtable = torch.zeros(batch, per_req, dtype=torch.int32)
+    window = torch.randn(w_blocks, 1, wbs, plan.window_row, generator=g)
+    wtable = torch.zeros(batch, per_win, dtype=torch.int32)
     ids = torch.randperm(w_blocks - 1, generator=g) + 1
     wtable[:, keep] = ids[: batch * len(keep)].view(batch, len(keep)).int()
     return packed, table, window, wtable

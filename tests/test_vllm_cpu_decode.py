@@ -237,24 +237,39 @@ from vllm_pages import random_mask, random_pages, reference
 from leank_infer.vllm import cpu_decode
 cpu_decode.LIBRARY.use(ctypes.CDLL(sys.argv[2]))
 torch.set_num_threads(2)
-for counts, sizes, heads, d, q_heads, lengths, bs, fp8 in [
-    ([32, 0, 64, 7], dict(sink_size=16, recent_size=64, accumu_size=16), 3, 64, 9, [1, 9, 50, 81, 300, 1500], 16, None),
-    ([0], dict(sink_size=16, recent_size=64, accumu_size=16, align=8), 2, 24, 4, [1, 40, 700], 16, None),
-    ([16, 128, 0, 96], dict(sink_size=128, recent_size=768, accumu_size=128), 4, 128, 28, [1, 129, 1025, 2200], 128, "e5m2"),
+for counts, sizes, heads, d, q_heads, lengths, bs, fp8, wb in [
+    ([32, 0, 64, 7], dict(sink_size=16, recent_size=64, accumu_size=16), 3, 64, 9, [1, 9, 50, 81, 300, 1500], 16, None,
+     None),
+    ([32, 0, 64, 7], dict(sink_size=16, recent_size=64, accumu_size=16), 3, 64, 9, [1, 50, 301, 1500], 16, None, 7),
+    ([0], dict(sink_size=16, recent_size=64, accumu_size=16, align=8), 2, 24, 4, [1, 40, 700], 16, None, None),
+    ([16, 128, 0, 96], dict(sink_size=128, recent_size=768, accumu_size=128), 4, 128, 28, [1, 129, 1025, 2200], 128, "e5m2",
+     None),
 ]:
     pg = random_pages(random_mask(1, heads, d, counts, **sizes), lengths, q_heads=q_heads, block_size=bs, fp8=fp8,
-                      extra_block_stride=0)
+                      extra_block_stride=0, window_block=wb)
     # the tightest buffers: a pool that ends where the last block ends, tables as wide as the longest request
     got = cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
                             pg.slot, 0.125, pg.k_scale, pg.v_scale, pg.fp8)
     torch.testing.assert_close(got, reference(pg, 0.125), atol=1e-5, rtol=1e-5)
     if fp8 is None:  # the gather of a whole prompt, into K/V exactly as long as it
         whole = random_pages(random_mask(1, heads, d, counts, **sizes), [lengths[-1]], q_heads=q_heads,
-                             block_size=bs, extra_block_stride=0, whole_window=True)
+                             block_size=bs, extra_block_stride=0, whole_window=True, window_block=wb)
         n = lengths[-1]
         k, v = torch.empty(n, heads, d), torch.empty(n, heads, d)
         cpu_decode.gather(whole.packed, whole.packed_table[0], whole.window, whole.window_table[0], n, whole.slot, k, v)
         assert torch.equal(k, whole.keys[0]) and torch.equal(v, whole.values[0])
+        first = n // 3 + 1  # the tail from a position inside a block, into K/V exactly as long as it
+        k, v = torch.empty(n - first, heads, d), torch.empty(n - first, heads, d)
+        cpu_decode.gather(whole.packed, whole.packed_table[0], whole.window, whole.window_table[0], n - first,
+                          whole.slot, k, v, first=first)
+        assert torch.equal(k, whole.keys[0][first:]) and torch.equal(v, whole.values[0][first:])
+        # the write of the last token, its window slot at the window pages' own block size
+        p, wbs = n - 1, whole.window.shape[1]
+        ps = whole.packed_table[0, p // bs].long().view(1) * bs + p % bs
+        ws = whole.window_table[0, p // wbs].long().view(1) * wbs + p % wbs
+        before = whole.window.clone()
+        cpu_decode.write(whole.packed, ps, whole.window, ws, whole.keys[0][p:], whole.values[0][p:], whole.slot)
+        torch.testing.assert_close(whole.window, before, rtol=0, atol=0, equal_nan=True)  # the same values, in place
 print("asan ok")
 """
 
@@ -394,6 +409,9 @@ def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, th
         rows = torch.empty_like(kk), torch.empty_like(vv)
         kernels.prompt_rows(pg.plan, pg.slot, *tables, n - first, *rows, first=first)
         assert torch.equal(rows[0][: n - first], want_k[first:]) and torch.equal(rows[1][: n - first], want_v[first:])
+        slow = [torch.full((n + 3, 16, 3), -7.0, dtype=dtype).transpose(1, 2) for _ in range(2)]
+        kernels.prompt_rows(pg.plan, pg.slot, *tables, n - first, *slow, first=first)  # not contiguous: PyTorch's
+        assert torch.equal(slow[0][: n - first], want_k[first:]) and torch.equal(slow[1][: n - first], want_v[first:])
         first = n // 2  # a chunk from the middle of the prompt on: its own K/V follow the gathered ones
         new_k, new_v = pg.keys[b][first:] * 2, pg.values[b][first:] * 2
         got = kernels.prompt_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype)
@@ -424,6 +442,11 @@ def test_the_prompt_gather_leaves_fp8_and_odd_pages_to_pytorch(monkeypatch):
         with pytest.raises(ValueError, match="int32 table of their blocks for 40 tokens"):
             cpu_decode.gather(fp.packed, fp.packed_table[0], fp.window, fp.window_table[0], 40, fp.slot, pages,
                               pages, table)  # fmt: skip
+    pt, wt, k40 = fp.packed_table[0], fp.window_table[0], torch.empty(40, 3, 16)
+    # a negative first token, tokens past the tables (from 9: four packed blocks), a table cut short
+    for first, ptab, wtab in ((-1, pt, wt), (9, pt, wt), (0, pt[:2], wt), (0, pt, wt[:1])):
+        with pytest.raises(ValueError, match=r"gather of tokens \[-?\d+, \d+\) needs a first token >= 0 and tables"):
+            cpu_decode.gather(fp.packed, ptab, fp.window, wtab, 40, fp.slot, k40, k40.clone(), first=first)
 
 
 @pytest.mark.parametrize(

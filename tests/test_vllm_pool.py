@@ -69,7 +69,7 @@ def test_window_pages_of_their_own_block_size_fill_the_pages_at_no_other_cost(fo
     assert math.lcm(fit.block_size, fit.window_block) <= (align or 16)
     held = [len(p.window_layers) * steady_blocks(p.sink, p.window, p.window_block) for p in (fit, same)]
     assert held[0] <= held[1]
-    assert fit.window_block * fit.window_row <= fit.page_elements  # every store's rows fit a page
+    assert fit.window_block * fit.window_row <= fit.block_size * fit.packed_row  # every store's rows fit a packed page
 
 
 def test_the_third_stage_mask_gets_one_store_of_8_or_9_token_window_pages():
@@ -157,7 +157,7 @@ def test_a_rest_row_wider_than_a_packed_row_fits_every_stages_page(fit):
     assert len({(p.page_elements, p.window_block) for p in plans}) == 1
     if fit:
         assert plans[0].page_elements == 16 * 260 and plans[0].window_block < 16
-        assert all(p.window_block * p.window_row <= p.page_elements for p in plans)
+        assert all(p.window_block * p.window_row <= 16 * 260 for p in plans)  # within the packed page
         assert plans[1].window_row >= 319
     else:
         assert plans[0].window_row == plans[1].window_row == 319 > plans[0].packed_row

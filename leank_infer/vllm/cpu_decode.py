@@ -283,8 +283,12 @@ def gather(
     if not (k.dtype == v.dtype == packed.dtype and 2 * k.shape[1] * k.shape[3] == slot.layout.full_columns.numel()):
         raise ValueError(f"gather needs K/V of {packed.dtype} with this layer's heads and channels, got {k.dtype} "
                          f"{tuple(k.shape)}")  # fmt: skip
-    if first < 0:
-        raise ValueError(f"gather's first token must be >= 0, got {first}")
+    need = [-(-(first + n) // pages.shape[1]) for pages in (packed, window)]  # blocks of each table it reads
+    if first < 0 or need[0] > packed_table.shape[-1] or need[1] > window_table.shape[-1]:
+        raise ValueError(
+            f"gather of tokens [{first}, {first + n}) needs a first token >= 0 and tables of at least {need[0]} packed "
+            f"and {need[1]} window blocks, got {packed_table.shape[-1]} and {window_table.shape[-1]}"
+        )
     if n == 0:
         return
     src = _per_slot(_gather_cache, slot, lambda s: s.layout.full_columns.to("cpu", torch.int64).contiguous())

@@ -234,13 +234,14 @@ def fit_window_block(
     multiple of the block sizes (and hashes prompts at their greatest common divisor), so only a ``w`` whose multiple
     with the packed block is at most ``align`` tokens (or the packed block) is taken: the one whose stores cost a
     prompt token in flight least (within 1%, the fewest stores), among those whose stores cost a decoding request no
-    more window blocks' bytes (sink and two windows) than ``block_size`` tokens would."""
+    more window blocks' bytes (sink and two windows) than ``block_size`` tokens would (where a rest row is wider than
+    ``block_size`` tokens of a page allow, no such comparison exists: any that fits)."""
     page = max(block_size * packed_row, *(r for stage in rests for r in stage))
     align = max(align, block_size)
 
     def cost(w: int) -> tuple[int, float, int] | None:
         capacity = page // w
-        if any(r > capacity for stage in rests for r in stage):
+        if capacity < 1 or any(r > capacity for stage in rests for r in stage):  # a page holds w whole rows
             return None
         stores = max(len(split_stores(stage, capacity)) for stage in rests)
         return stores, stores * page / w, stores * steady_blocks(sink, window, w)
