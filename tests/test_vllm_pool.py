@@ -222,3 +222,12 @@ def test_the_prefix_alignment_setting_is_a_whole_number_of_tokens():
     for bad in (0, -16, 2.5, "256", True):
         with pytest.raises(MaskError, match=r"leank_prefix_align'\] must be a whole number of tokens"):
             settings_from({"leank_mask": "m", "leank_prefix_align": bad})
+
+
+def test_a_mask_keeping_every_channel_never_widens_the_page():
+    """No rest rows (every channel kept): a window store still has a one-column row per token, so its block holds no
+    more tokens than a packed page has elements, whatever prefix alignment is allowed; the page stays a packed one."""
+    mask = ChannelMask(torch.ones(1, 1, 2, dtype=torch.bool), sink_size=4, recent_size=8, accumu_size=4, align=2)
+    plan = WorkerPlan.build(mask, [0], prefix_align=256)
+    assert plan.packed_row == 4 and plan.page_elements == 16 * 4
+    assert plan.window_block * max(1, plan.window_row) <= plan.page_elements
