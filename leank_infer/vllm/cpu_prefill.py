@@ -47,7 +47,6 @@ class PromptBatch:
     block_table: torch.Tensor  # [requests, blocks] int32, into the scratch
     num_blocks: int
     block_size: int  # the scratch's: whole pages of LeanK's
-    page_block: int  # LeanK's
     isa: str
     scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
     direct: bool  # vLLM's pages hold a block as :func:`pages` reads them: the library gathers straight into them
@@ -159,7 +158,7 @@ def plan_prompts(
     gather_blocks = tuple((earlier_slots[row : row + n : bs] // bs).int() for _, _, n, row in gathers)
     return PromptBatch(
         tokens, tuple(gathers), gather_blocks, rows, earlier_slots, torch.cat(query_slots), torch.cat(pad_slots),
-        query_start_loc, seq_lens, block_table, blocks, bs, page_block, isa, scheduler,
+        query_start_loc, seq_lens, block_table, blocks, bs, isa, scheduler,
         vllm_layout_is_known(isa, dtype, bs, head_dim),
     )  # fmt: skip
 
