@@ -4,6 +4,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -634,26 +638,69 @@ struct GArgs {  // mirrored by _GArgs in cpu_decode.py: keep the order
     int64_t first;         // position of token 0 in the request: token t's rows are those of position first + t
 };
 
+// One output of gather_rows: the tile's m tokens (rows of buf, RW elements apart) put into K or V at base, element
+// (token t, head h, channel d) at base + t * s2 + h * s1 + d * s3. Where tokens are adjacent in the output (vLLM's
+// transposed K: s2 == 1) the inner loop runs over tokens, else over channels: a store stream either way, each
+// element a load from the tile (L1), never a branch.
+template <class T>
+static void put_tile(T *base, const int64_t s1, const int64_t s2, const int64_t s3, const int32_t *src, const int64_t H,
+                     const int64_t D, const int64_t m, const T *buf, const int64_t RW) {
+    if (s2 == 1) {
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t d = 0; d < D; d++) {
+                T *dst = base + h * s1 + d * s3;
+                const T *col = buf + src[h * D + d];
+                for (int64_t t = 0; t < m; t++) dst[t] = col[t * RW];
+            }
+    } else {
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t h = 0; h < H; h++) {
+                T *dst = base + t * s2 + h * s1;
+                const T *row = buf + t * RW;
+                const int32_t *sh = src + h * D;
+                for (int64_t d = 0; d < D; d++) dst[d * s3] = row[sh[d]];
+            }
+    }
+}
+
+// Tokens go in tiles of up to GATHER_TILE adjacent places of one output block: a tile's packed and rest rows are
+// copied side by side into a small buffer (two memcpy a token), then every output element is a load from it.
+constexpr int64_t GATHER_TILE = 16;
+
 template <class T>
 static void gather_rows(const GArgs &A) {
-    const int64_t bs = A.block_size, wbs = A.window_block, H = A.H, D = A.D, HD = H * D, W = A.width;
+    const int64_t bs = A.block_size, wbs = A.window_block, H = A.H, D = A.D, HD = H * D, W = A.width, ob = A.out_block;
+    int64_t R = 0;  // the rest row's columns read: up to the last one any src names
+    for (int64_t j = 0; j < 2 * HD; j++) R = A.src[j] - W + 1 > R ? A.src[j] - W + 1 : R;
+    const int64_t RW = W + R;
+    std::vector<int32_t> src(A.src, A.src + 2 * HD);  // buf columns: packed row at [0, W), rest row at [W, W + R)
+    const int64_t per_block = (ob + GATHER_TILE - 1) / GATHER_TILE;
+    const int64_t tiles = (A.n + ob - 1) / ob * per_block;  // some past n are empty
     const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < A.n; t++) {
-        const int64_t pos = A.first + t;
-        const T *p = (const T *)A.packed + (int64_t)A.packed_table[pos / bs] * A.packed_block_stride + (pos % bs) * A.packed_row;
-        const T *w = (const T *)A.window + (int64_t)A.window_table[pos / wbs] * A.window_block_stride + (pos % wbs) * A.window_row;
-        const int64_t block = A.out_table[t / A.out_block], place = t % A.out_block;
-        T *k = (T *)A.k + block * A.ks[0] + place * A.ks[2], *v = (T *)A.v + block * A.vs[0] + place * A.vs[2];
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t d = 0; d < D; d++) {
-                const int64_t s = A.src[h * D + d];
-                k[h * A.ks[1] + d * A.ks[3]] = s < W ? p[s] : w[s - W];
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<T> buf(GATHER_TILE * RW);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < tiles; i++) {
+            const int64_t b = i / per_block, t0 = b * ob + (i % per_block) * GATHER_TILE;
+            const int64_t t1 = std::min(std::min(t0 + GATHER_TILE, b * ob + ob), A.n);
+            if (t0 >= t1) continue;
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t pos = A.first + t;
+                const T *p = (const T *)A.packed + (int64_t)A.packed_table[pos / bs] * A.packed_block_stride +
+                             (pos % bs) * A.packed_row;
+                std::memcpy(buf.data() + (t - t0) * RW, p, W * sizeof(T));
+                if (R) {
+                    const T *w = (const T *)A.window + (int64_t)A.window_table[pos / wbs] * A.window_block_stride +
+                                 (pos % wbs) * A.window_row;
+                    std::memcpy(buf.data() + (t - t0) * RW + W, w, R * sizeof(T));
+                }
             }
-            for (int64_t d = 0; d < D; d++) {
-                const int64_t s = A.src[HD + h * D + d];
-                v[h * A.vs[1] + d * A.vs[3]] = s < W ? p[s] : w[s - W];
-            }
+            const int64_t block = A.out_table[b], place = t0 - b * ob;
+            put_tile((T *)A.k + block * A.ks[0] + place * A.ks[2], A.ks[1], A.ks[2], A.ks[3], src.data(), H, D,
+                     t1 - t0, buf.data(), RW);
+            put_tile((T *)A.v + block * A.vs[0] + place * A.vs[2], A.vs[1], A.vs[2], A.vs[3], src.data() + HD, H, D,
+                     t1 - t0, buf.data(), RW);
         }
     }
 }

@@ -41,7 +41,8 @@ class PromptBatch:
     earlier: int  # the gather buffer's rows
     earlier_slots: torch.Tensor  # [earlier] int64: their scratch slots
     query_slots: torch.Tensor  # [queries] int64: the scratch slots of the chunks' own tokens
-    pad_slots: torch.Tensor  # int64: the rest of each request's last block (zeros: vLLM's kernel reads whole tiles)
+    pad_slots: torch.Tensor  # int64: the rest of each request's last block (zeros in the scratch: vLLM's kernel reads
+    # whole tiles)
     query_start_loc: torch.Tensor  # [requests + 1] int32
     seq_lens: torch.Tensor  # [requests] int32: earlier tokens + the chunk's
     block_table: torch.Tensor  # [requests, blocks] int32, into the scratch
@@ -50,6 +51,9 @@ class PromptBatch:
     isa: str
     scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
     direct: bool  # vLLM's pages hold a block as :func:`pages` reads them: the library gathers straight into them
+    # [num_blocks, Hkv, 2 * block_size, D]: the step's scratch pages, shared by its layers one after another (a fresh
+    # one per layer faults its pages in again each time: 2.3x the gather's time on two threads); the pad slots zero
+    scratch: torch.Tensor
 
 
 def pages(scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +160,18 @@ def plan_prompts(
     )
     earlier_slots = torch.cat([torch.zeros(0, dtype=torch.long), *earlier_slots])
     gather_blocks = tuple((earlier_slots[row : row + n : bs] // bs).int() for _, _, n, row in gathers)
+    pad_slots = torch.cat(pad_slots)
+    scratch = torch.empty(blocks, num_kv_heads, 2 * bs, head_dim, dtype=dtype)
+    if pad_slots.numel():  # a masked key still weighs its V by 0 in vLLM's kernel: no NaN may be there (no layer
+        zeros = torch.zeros(pad_slots.numel(), num_kv_heads, head_dim, dtype=dtype)  # writes these slots)
+        key_cache, value_cache = scratch.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            zeros, zeros, key_cache, value_cache, pad_slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
     return PromptBatch(
-        tokens, tuple(gathers), gather_blocks, rows, earlier_slots, torch.cat(query_slots), torch.cat(pad_slots),
+        tokens, tuple(gathers), gather_blocks, rows, earlier_slots, torch.cat(query_slots), pad_slots,
         query_start_loc, seq_lens, block_table, blocks, bs, isa, scheduler,
-        vllm_layout_is_known(isa, dtype, bs, head_dim),
+        vllm_layout_is_known(isa, dtype, bs, head_dim), scratch,
     )  # fmt: skip
 
 
@@ -175,8 +187,7 @@ def attend(
 ) -> None:
     """The prompt queries of ``batch`` among the step's ``q`` ``[n, Hq, D]`` (their K/V ``k``/``v`` ``[n, Hkv, D]``)
     attended over their requests' prompts with every channel, into ``out`` ``[n, Hq, D]``."""
-    heads, dim, bs = k.shape[1], k.shape[2], batch.block_size
-    scratch = torch.empty(batch.num_blocks, heads, 2 * bs, dim, dtype=q.dtype)
+    heads, dim, scratch = k.shape[1], k.shape[2], batch.scratch
     key_cache, value_cache = scratch.chunk(2, dim=2)  # vLLM's CPU view of a block: K rows then V rows
 
     def put(kk: torch.Tensor, vv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -205,9 +216,6 @@ def attend(
     sliced = isinstance(batch.tokens, slice)
     pick = (lambda t: t[batch.tokens]) if sliced else (lambda t: t.index_select(0, batch.tokens))
     put(pick(k), pick(v), batch.query_slots)
-    if batch.pad_slots.numel():  # a masked key still weighs its V by 0 in vLLM's kernel: no NaN may be there
-        zeros = torch.zeros(batch.pad_slots.numel(), heads, dim, dtype=q.dtype)
-        put(zeros, zeros, batch.pad_slots)
     queries = pick(q)
     result = out[batch.tokens] if sliced else torch.empty_like(queries)
     ops.cpu_attention_with_kv_cache(

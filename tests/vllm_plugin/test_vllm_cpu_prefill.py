@@ -95,6 +95,42 @@ def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap, path, monkey
     assert (out[~done] == 5.0).all()
 
 
+class _DirtyTorch:
+    """``torch`` whose ``empty`` hands out NaN (memory an allocator reuses holds anything)."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, dtype=None, **kw) -> torch.Tensor:  # noqa: ANN001
+        return torch.full(shape[0] if len(shape) == 1 else shape, math.nan, dtype=dtype, **kw)
+
+
+def test_the_layers_of_a_step_share_one_scratch(path, monkeypatch):
+    """A step's scratch is allocated once and every layer reuses it: its pad slots are zeroed once, so the allocator's
+    dirt (NaN) never reaches an output; a layer over other pages gives its own attention, and the first layer again
+    gives its first output bit for bit (nothing of a layer stays in the scratch for the next)."""
+    lengths, chunks = [40, 350, 100, 30], [(1, 300, 50), (0, 37, 1), (2, 0, 100), (3, 1, 20)]
+    pg, q, k, v, rows = step(lengths, chunks, 0, torch.float32, None, seed=3)
+    other = step(lengths, chunks, 0, torch.float32, None, seed=4)[0]  # another layer's pages (their own tables)
+    monkeypatch.setattr(cpu_prefill, "torch", _DirtyTorch())
+    batch = planned(path, monkeypatch, None, rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
+    monkeypatch.setattr(cpu_prefill, "torch", torch)
+    assert batch.pad_slots.numel() and batch.scratch.isnan().any()  # dirt where the gathers will write
+    outs = []
+    for pages in (pg, other, pg):
+        bound = kernels.BoundLayer(pages.plan, pages.slot, pages.packed, pages.window, q.dtype, SCALE)
+        out = torch.zeros_like(q)
+        cpu_prefill.attend(batch, bound, q, k, v, out, pages.packed_table, pages.window_table)
+        for request, start, end, cached in rows:
+            keys = torch.cat([pages.keys[request][:cached], k[start:end]])
+            values = torch.cat([pages.values[request][:cached], v[start:end]])
+            want = causal(q[start:end], keys, values, cached)
+            torch.testing.assert_close(out[start:end].double(), want, atol=2e-5, rtol=2e-5)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]) and not torch.allclose(outs[0], outs[1])
+
+
 def test_each_request_reads_its_own_blocks():
     """Two requests with the same earlier length and different pages: swapping their tables swaps their outputs (the
     gather follows each request's row of the tables, the scratch keeps the requests apart)."""
