@@ -270,6 +270,22 @@ for counts, sizes, heads, d, q_heads, lengths, bs, fp8, wb in [
         before = whole.window.clone()
         cpu_decode.write(whole.packed, ps, whole.window, ws, whole.keys[0][p:], whole.values[0][p:], whole.slot)
         torch.testing.assert_close(whole.window, before, rtol=0, atol=0, equal_nan=True)  # the same values, in place
+        pos = torch.arange(n)  # the whole prompt, over two threads
+        ps, ws = whole.packed_table[0, pos // bs].long() * bs + pos % bs, whole.window_table[0, pos // wbs].long() * wbs + pos % wbs
+        cpu_decode.write(whole.packed, ps, whole.window, ws, whole.keys[0], whole.values[0], whole.slot)
+        torch.testing.assert_close(whole.window, before, rtol=0, atol=0, equal_nan=True)
+        # the gather and the put into vLLM's CPU page layout, exactly as many pages as the tokens need
+        ob = 32
+        blocks = -(-n // ob)
+        scratch = torch.empty(blocks, heads, 2 * ob, d)
+        kp = scratch.as_strided((blocks, heads, ob, d), (scratch.stride(0), scratch.stride(1), 1, ob))
+        vp = scratch[:, :, ob:]
+        cpu_decode.gather(whole.packed, whole.packed_table[0], whole.window, whole.window_table[0], n, whole.slot, kp,
+                          vp, torch.arange(blocks, dtype=torch.int32))
+        assert torch.equal(kp.transpose(1, 2).reshape(-1, heads, d)[:n], whole.keys[0])
+        scratch.zero_()
+        cpu_decode.put(whole.keys[0], whole.values[0], pos, kp, vp)
+        assert torch.equal(vp.transpose(1, 2).reshape(-1, heads, d)[:n], whole.values[0])
 print("asan ok")
 """
 
@@ -339,6 +355,59 @@ def test_the_write_is_the_reference_write_byte_for_byte(dtype, counts, wbs):
     got_p, got_w = packed.clone(), window.clone()
     kernels.write(got_p, packed_slots.int(), got_w, window_slots.int(), k, v, slot)  # int32 slots too
     assert torch.equal(raw(got_p), raw(want_p)) and torch.equal(raw(got_w), raw(want_w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_write_split_over_threads_is_the_reference_write(dtype):
+    """A step of 300 tokens (a prompt chunk) is written over two threads: byte for byte paged_reference.write_pages,
+    shuffled slots, padding and null-block window slots among them."""
+    from leank_infer.vllm.paged_reference import write_pages
+    from leank_infer.vllm.pool import WorkerPlan
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(11)
+    plan = WorkerPlan.build(random_mask(2, 3, 16, [5, 0, 16], seed=12, align=16), [0, 1], block_size=16)
+    slot, n, nb = plan.slots[1], 300, 24
+    packed = torch.full((nb, 16, plan.packed_row), float("nan"), dtype=dtype)
+    window = torch.full((nb, 16, plan.window_row), float("nan"), dtype=dtype)
+    k, v = torch.randn(n, 3, 16, generator=g).to(dtype), torch.randn(n, 3, 16, generator=g).to(dtype)
+    packed_slots = torch.randperm(nb * 16, generator=g)[:n]
+    packed_slots[::7] = -1
+    window_slots = torch.randperm(nb * 16, generator=g)[:n]  # some in block 0: the null block, not written
+    want_p, want_w = packed.clone(), window.clone()
+    write_pages(want_p, packed_slots, want_w, window_slots, k, v, slot)
+    cpu_decode.write(packed, packed_slots, window, window_slots, k, v, slot)
+    raw = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
+    assert torch.equal(raw(packed), raw(want_p)) and torch.equal(raw(window), raw(want_w))
+
+
+@pytest.mark.parametrize("threads_n", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_put_writes_rows_into_vllms_cpu_page_layout(dtype, threads_n):
+    """cpu_decode.put (a prompt step's own K/V into the scratch): token i's K at place slot % block of block
+    slot // block, K transposed in a block as vLLM's CPU pages hold it, V rows; runs that cross a block, tokens apart,
+    padding (-1) skipped; strided K/V as a qkv split gives them; every other element untouched (NaN). Slots outside
+    the pages, or pages of another dtype, get one error."""
+    torch.set_num_threads(threads_n)
+    g = torch.Generator().manual_seed(13)
+    n, heads, dim, bs, blocks = 200, 3, 16, 32, 12
+    qkv = torch.randn(n, 9 * dim, generator=g).to(dtype)
+    k, v = qkv[:, 3 * dim : 6 * dim].view(n, heads, dim), qkv[:, 6 * dim :].view(n, heads, dim)
+    slots = torch.cat([torch.arange(20, 120), torch.randperm(blocks * bs - 120, generator=g)[:100] + 120])
+    slots[[5, 150]] = -1
+    scratch = torch.full((blocks, heads, 2 * bs, dim), float("nan"), dtype=dtype)
+    kp = scratch.as_strided((blocks, heads, bs, dim), (scratch.stride(0), scratch.stride(1), 1, bs))
+    vp = scratch[:, :, bs:]
+    assert cpu_decode.supports_put(k, v, kp, vp)
+    cpu_decode.put(k, v, slots, kp, vp)
+    real = slots >= 0
+    at = slots[real]
+    assert torch.equal(kp[at // bs, :, at % bs], k[real]) and torch.equal(vp[at // bs, :, at % bs], v[real])
+    assert int(scratch.isnan().sum()) == scratch.numel() - 2 * k[real].numel()  # nothing else written
+    with pytest.raises(ValueError, match="slots inside pages"):
+        cpu_decode.put(k, v, torch.full((n,), blocks * bs), kp, vp)
+    with pytest.raises(ValueError, match="of their dtype"):
+        cpu_decode.put(k.float() if dtype != torch.float32 else k.half(), v, slots, kp, vp)
 
 
 def test_the_write_leaves_fp8_and_odd_tensors_to_the_reference(monkeypatch):

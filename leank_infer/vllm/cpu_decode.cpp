@@ -582,12 +582,15 @@ struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
     const int64_t *kr_index, *vr_index;
     int64_t nkr, nvr;
     int64_t window_block;  // tokens per window page (block_size is the packed pages')
+    int64_t threads;       // tokens split over at most this many (a step's slots are distinct)
 };
 
 template <class T>
 static void write_rows(const WArgs &A) {
     const T *k = (const T *)A.k, *v = (const T *)A.v;
     const int64_t bs = A.block_size, wbs = A.window_block;
+    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < A.n; i++) {
         const T *ki = k + i * A.k_stride, *vi = v + i * A.v_stride;
         const int64_t p = A.packed_slots[i];
@@ -607,7 +610,9 @@ static void write_rows(const WArgs &A) {
 }
 
 extern "C" int leank_cpu_write(const WArgs *A) {
-    if (A->block_size <= 0 || A->window_block <= 0 || A->nk + A->nv > A->width || A->nkr + A->nvr > A->window_row) return 2;
+    if (A->block_size <= 0 || A->window_block <= 0 || A->threads < 1 || A->nk + A->nv > A->width ||
+        A->nkr + A->nvr > A->window_row)
+        return 2;
     switch (A->elem) {
         case 4: write_rows<uint32_t>(*A); return 0;
         case 2: write_rows<uint16_t>(*A); return 0;
@@ -710,6 +715,57 @@ extern "C" int leank_cpu_gather(const GArgs *A) {
     switch (A->elem) {
         case 4: gather_rows<uint32_t>(*A); return 0;
         case 2: gather_rows<uint16_t>(*A); return 0;
+        default: return 2;
+    }
+}
+
+// A step's own K/V rows [n, H, D] (token i at k + i * k_stride, its [H, D] one run) into pages of any strides, token i
+// at slot slots[i] >= 0: block slots[i] / out_block, place slots[i] % out_block, element (head h, channel d) at
+// block * s[0] + h * s[1] + place * s[2] + d * s[3] (ks for K, vs for V). What vLLM's cpu_attn_reshape_and_cache does
+// for its vec layout (K transposed in a block), here in tiles of up to GATHER_TILE tokens at adjacent places of one
+// block, split over the threads: the dense-prompt prefill puts a step's prompt chunks into its scratch with it.
+struct PArgs {  // mirrored by _PArgs in cpu_decode.py: keep the order
+    int64_t n, H, D, elem, threads;
+    const void *k, *v;
+    int64_t k_stride, v_stride;
+    void *kout, *vout;
+    int64_t out_block;
+    int64_t ks[4], vs[4];
+    const int64_t *slots;
+};
+
+template <class T>
+static void put_rows(const PArgs &A) {
+    const int64_t HD = A.H * A.D, ob = A.out_block;
+    std::vector<int32_t> id(HD);
+    for (int64_t j = 0; j < HD; j++) id[j] = (int32_t)j;
+    std::vector<int64_t> starts, ends;  // tiles [start, end): runs of adjacent places in one block
+    for (int64_t t = 0; t < A.n; t++) {
+        const int64_t s = A.slots[t];
+        if (s < 0) continue;  // a padding token
+        if (!ends.empty() && ends.back() == t && A.slots[t - 1] == s - 1 && s % ob != 0 && t - starts.back() < GATHER_TILE)
+            ends.back() = t + 1;
+        else
+            starts.push_back(t), ends.push_back(t + 1);
+    }
+    const int64_t tiles = (int64_t)starts.size();
+    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t t0 = starts[i], t1 = ends[i];
+        const int64_t block = A.slots[t0] / ob, place = A.slots[t0] % ob;
+        put_tile((T *)A.kout + block * A.ks[0] + place * A.ks[2], A.ks[1], A.ks[2], A.ks[3], id.data(), A.H, A.D,
+                 t1 - t0, (const T *)A.k + t0 * A.k_stride, A.k_stride);
+        put_tile((T *)A.vout + block * A.vs[0] + place * A.vs[2], A.vs[1], A.vs[2], A.vs[3], id.data(), A.H, A.D,
+                 t1 - t0, (const T *)A.v + t0 * A.v_stride, A.v_stride);
+    }
+}
+
+extern "C" int leank_cpu_put(const PArgs *A) {
+    if (A->n < 0 || A->H <= 0 || A->D <= 0 || A->threads < 1 || A->out_block <= 0) return 2;
+    switch (A->elem) {
+        case 4: put_rows<uint32_t>(*A); return 0;
+        case 2: put_rows<uint16_t>(*A); return 0;
         default: return 2;
     }
 }

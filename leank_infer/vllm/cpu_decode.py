@@ -115,7 +115,7 @@ class _WArgs(ctypes.Structure):
         *[(n, ctypes.c_int64) for n in ("nk", "nv", "width")],
         ("kr_index", ctypes.c_void_p),
         ("vr_index", ctypes.c_void_p),
-        *[(n, ctypes.c_int64) for n in ("nkr", "nvr", "window_block")],
+        *[(n, ctypes.c_int64) for n in ("nkr", "nvr", "window_block", "threads")],
     ]
 
 
@@ -140,6 +140,24 @@ class _GArgs(ctypes.Structure):
     ]
 
 
+class _PArgs(ctypes.Structure):
+    """The put's ``struct PArgs`` (cpu_decode.cpp), field for field."""
+
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("n", "H", "D", "elem", "threads")],
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_stride", ctypes.c_int64),
+        ("v_stride", ctypes.c_int64),
+        ("kout", ctypes.c_void_p),
+        ("vout", ctypes.c_void_p),
+        ("out_block", ctypes.c_int64),
+        ("ks", ctypes.c_int64 * 4),
+        ("vs", ctypes.c_int64 * 4),
+        ("slots", ctypes.c_void_p),
+    ]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.leank_cpu_decode.restype = ctypes.c_int
     lib.leank_cpu_decode.argtypes = [ctypes.POINTER(_Args)]
@@ -147,6 +165,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.leank_cpu_write.argtypes = [ctypes.POINTER(_WArgs)]
     lib.leank_cpu_gather.restype = ctypes.c_int
     lib.leank_cpu_gather.argtypes = [ctypes.POINTER(_GArgs)]
+    lib.leank_cpu_put.restype = ctypes.c_int
+    lib.leank_cpu_put.argtypes = [ctypes.POINTER(_PArgs)]
 
 
 LIBRARY = NativeLibrary(SOURCE_PATH, "vllm-kernel", ENV_SWITCH, "CPU decode kernel", _declare, log)
@@ -305,6 +325,48 @@ def gather(
     a.first = first
     if LIBRARY.lib.leank_cpu_gather(ctypes.byref(a)):
         raise RuntimeError(f"the LeanK CPU gather got bad arguments ({n} tokens for {slot.layout})")
+
+
+def supports_put(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """Whether :func:`put` covers these tensors: CPU K/V rows ``[n, H, D]`` (each token's ``[H, D]`` one run) into
+    pages ``[blocks, H, block, D]`` of the same dtype, 2 or 4 bytes."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == k.dtype for t in (v, k_pages, v_pages))
+        and k.element_size() in (2, 4)
+        and k.dim() == v.dim() == 3
+        and k.shape == v.shape
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        and k_pages.dim() == v_pages.dim() == 4
+        and k_pages.shape == v_pages.shape
+        and k_pages.shape[1] == k.shape[1]
+        and k_pages.shape[3] == k.shape[2]
+    )
+
+
+def put(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+    """K/V rows ``[n, H, D]`` into pages ``[blocks, H, block, D]`` of any strides (vLLM's CPU pages: K transposed in a
+    block), token ``i`` at place ``slots[i] % block`` of block ``slots[i] // block`` (a negative slot: not written):
+    vLLM's ``cpu_attn_reshape_and_cache`` for its ``vec`` layout, split over the threads (:func:`supports_put`)."""
+    if not available():
+        raise RuntimeError("the LeanK CPU decode kernel is not available (see leank_infer.vllm.cpu_decode)")
+    n = k.shape[0] if k.dim() == 3 else -1
+    slots = _slots(slots)
+    if not supports_put(k, v, k_pages, v_pages) or slots.numel() != n or (
+        n and int(slots.max()) >= k_pages.shape[0] * k_pages.shape[2]
+    ):
+        raise ValueError(
+            f"put needs K/V rows [n, H, D] and n slots inside pages [blocks, H, block, D] of their dtype, got "
+            f"{tuple(k.shape)} {tuple(v.shape)} {k.dtype}, {slots.numel()} slots, pages {tuple(k_pages.shape)} "
+            f"{k_pages.dtype}"
+        )
+    a = _PArgs()
+    a.n, a.H, a.D, a.elem, a.threads = n, k.shape[1], k.shape[2], k.element_size(), torch.get_num_threads()
+    a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+    a.kout, a.vout, a.out_block = k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[2]
+    a.ks[:], a.vs[:] = k_pages.stride(), v_pages.stride()
+    a.slots = slots.data_ptr()
+    if LIBRARY.lib.leank_cpu_put(ctypes.byref(a)):
+        raise RuntimeError(f"the LeanK CPU put got bad arguments ({n} tokens into pages {tuple(k_pages.shape)})")
 
 
 def _set_pages(a: _WArgs | _GArgs, packed: torch.Tensor, window: torch.Tensor, slot: LayerSlot) -> None:
@@ -473,6 +535,7 @@ class LayerKernel:
         a.n, a.HD = k.shape[0], k.shape[1] * k.shape[2]
         a.k, a.v, a.k_stride, a.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
         a.packed_slots, a.window_slots = ps.data_ptr(), ws.data_ptr()
+        a.threads = torch.get_num_threads()
         if LIBRARY.lib.leank_cpu_write(ctypes.byref(a)):
             raise RuntimeError(
                 f"the LeanK CPU write got bad arguments (packed row {self.packed.shape[2]} for {self.slot.layout})"

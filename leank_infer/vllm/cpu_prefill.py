@@ -4,13 +4,16 @@ A prompt query attends to its request's prompt with every channel (the ``"dense-
 causal attention, the computation plain vLLM runs. LeanK's pages hold those tokens split in two (packed row, rest
 row), which vLLM's kernel cannot read, so a step copies them into a scratch of vLLM's own CPU pages, one run of
 blocks per request: each request's earlier prompt tokens gathered from LeanK's pages
-(:func:`~leank_infer.vllm.kernels.prompt_rows`), the chunk's own K/V from the step, both written by vLLM's
-``cpu_attn_reshape_and_cache`` (so the interior of a block is whatever vLLM's kernel reads on this CPU). Then
+(:func:`~leank_infer.vllm.kernels.prompt_rows`), the chunk's own K/V from the step. Where vLLM lays a block out as
+:func:`pages` reads it (its ``vec`` kernels) the library writes both straight into the scratch, over the threads
+(:func:`~leank_infer.vllm.cpu_decode.gather`, :func:`~leank_infer.vllm.cpu_decode.put`); elsewhere (AMX, NEON) vLLM's
+``cpu_attn_reshape_and_cache`` writes them (the interior of a block is then whatever vLLM's kernel reads). Then
 ``cpu_attention_with_kv_cache``, the kernel plain vLLM prefills with, runs once over every prompt chunk of the step,
 with vLLM's scheduler metadata for it (:func:`plan_prompts`, once per step in the metadata builder).
 
 The copy is the cost over plain vLLM: for a chunk after ``c`` cached prompt tokens, ``c`` rows gathered and written
-per layer, once for all the requests that share them (a prefix-cache hit); the attention itself is plain vLLM's.
+per layer, once for all the requests that share them (a prefix-cache hit); the attention itself is plain vLLM's. The
+scratch is allocated once per step (:func:`plan_prompts`) and its layers reuse it one after another.
 """
 
 from __future__ import annotations
@@ -215,7 +218,11 @@ def attend(
         put(kk, vv, batch.earlier_slots)
     sliced = isinstance(batch.tokens, slice)
     pick = (lambda t: t[batch.tokens]) if sliced else (lambda t: t.index_select(0, batch.tokens))
-    put(pick(k), pick(v), batch.query_slots)
+    own_k, own_v = pick(k), pick(v)
+    if batch.direct and cpu_decode.available() and cpu_decode.supports_put(own_k, own_v, *pages(scratch)):
+        cpu_decode.put(own_k, own_v, batch.query_slots, *pages(scratch))  # vLLM's write, split over the threads
+    else:
+        put(own_k, own_v, batch.query_slots)
     queries = pick(q)
     result = out[batch.tokens] if sliced else torch.empty_like(queries)
     ops.cpu_attention_with_kv_cache(

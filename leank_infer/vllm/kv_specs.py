@@ -61,6 +61,11 @@ class LeanKWindowSpec(SlidingWindowSpec):
     packed_block_size: int = 0  # tokens per block of the packed store (0: this spec's block_size)
 
     @property
+    def packed_block(self) -> int:
+        """Tokens per block of the packed store (this spec's own ``block_size`` unless ``packed_block_size``)."""
+        return self.packed_block_size or self.block_size
+
+    @property
     def sink_blocks(self) -> int:
         return cdiv(self.sink_len, self.block_size)
 
@@ -88,7 +93,7 @@ class LeanKWindowSpec(SlidingWindowSpec):
         """(packed, window) blocks one request of ``max_model_len`` tokens holds at once, per store, while its
         prompt is computed: what vLLM's admission asks the pool for (a window store keeps every prompt block
         under ``dense_prompt``, else the sink and the window)."""
-        packed = cdiv(max_model_len, self.packed_block_size or self.block_size)
+        packed = cdiv(max_model_len, self.packed_block)
         prompt = cdiv(max_model_len, self.block_size)
         if self.dense_prompt:
             return packed, prompt
@@ -137,7 +142,7 @@ class LeanKWindowManager(SlidingWindowManager):
             raise MaskError(
                 f"LeanK: the KV pool's {usable} blocks cannot hold one request of "
                 f"max_model_len {spec.max_model_len} under {rule}: it needs at least {need} at once ({packed} packed "
-                f"blocks of {spec.packed_block_size or spec.block_size} tokens + {spec.window_stores} window stores x "
+                f"blocks of {spec.packed_block} tokens + {spec.window_stores} window stores x "
                 f"{window} blocks of {spec.block_size}), so vLLM would never admit a request that long; "
                 "give the KV cache more memory (or a larger num_gpu_blocks_override), or lower max_model_len"
                 + (", or serve with leank_rule 'positional'" if spec.dense_prompt else "")
