@@ -1,7 +1,8 @@
 """LeanK's CPU decode kernel against vLLM's own CPU attention kernel: one decode step's 30 layer calls, side by side.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_kernel.py [--batches 1,4,16,64] [--contexts 2048,8192]
-        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000] [--prompt 4x512@2560]
+        [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000]
+        [--prompt 4x512@2560,1x3000@0]
 
 The equal-work comparison: the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), every
 request at the same context, the same batch and the same threads (``torch.set_num_threads``), one decode step =
@@ -17,8 +18,8 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
   (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
   the window pages of the sink and the window; shuffled blocks), each layer through its own views.
 
-- **prompt step** (``--prompt BxC@N``): the prompt attention of a step of ``B`` chunks of ``C`` queries after ``N``
-  prompt tokens each, every layer: plain vLLM's, the plugin's on the CPU build
+- **prompt step** (``--prompt BxC@N,...``): the prompt attention of a step of ``B`` chunks of ``C`` queries after
+  ``N`` prompt tokens each, every layer: plain vLLM's, the plugin's on the CPU build (its page write included)
   (:func:`leank_infer.vllm.cpu_prefill.attend`) and the per-request SDPA path (:func:`prompt_times`).
 - **prompt gather** (``--gather N``): the dense K/V a prompt chunk after ``N`` prompt tokens reads under the
   dense-prompt rule, every layer, PyTorch's gather against the library's (:func:`leank_infer.vllm.kernels.prompt_kv`).
@@ -162,8 +163,9 @@ def gather_times(plan, layers: list[int], n: int, g: torch.Generator) -> tuple[f
 def prompt_times(plan, layers: list[int], batch: int, chunk: int, cached: int, g: torch.Generator) -> dict:  # noqa: ANN001
     """Milliseconds (median of alternating steps, :func:`clock`) of the prompt attention of one step over every layer:
     ``batch`` requests, each a chunk of ``chunk`` prompt queries after ``cached`` prompt tokens. **vLLM**: plain vLLM's
-    write of the chunks' K/V and its CPU attention over dense pages (blocks of 128); **LeanK**: the plugin's
-    (:func:`leank_infer.vllm.cpu_prefill.attend`: the gather into a scratch of vLLM's pages, then the same kernel);
+    write of the chunks' K/V and its CPU attention over dense pages (blocks of 128); **LeanK**: the plugin's write of
+    the chunks' K/V into its pages, then :func:`leank_infer.vllm.cpu_prefill.attend` (the gather into a scratch of
+    vLLM's pages, then the same kernel), the step's plan included;
     **SDPA**: the per-request path that runs on CUDA (:func:`~leank_infer.vllm.kernels.prompt_kv`, then
     :func:`~leank_infer.vllm.kernels.dense_prefill`), on the same pages."""
     from vllm import _custom_ops as ops
@@ -200,25 +202,33 @@ def prompt_times(plan, layers: list[int], batch: int, chunk: int, cached: int, g
                 softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
             )  # fmt: skip
 
-    # LeanK: the plugin's pages, every prompt block's rest row real (the dense-prompt rule while it is computed)
+    # LeanK: the plugin's pages, every prompt block's rest row real (the dense-prompt rule while it is computed), the
+    # window pages at the plan's own block size; a step writes the chunks' K/V into them first, as the engine does
     packed, ptable, _, _ = leank_pages(plan, batch, length, g)
-    window = torch.randn(packed.shape[0], 1, packed.shape[2], plan.window_row, generator=g)
+    wbs = plan.window_block
+    per_win = -(-length // wbs)
+    window = torch.randn(batch * per_win + 1, 1, wbs, plan.window_row, generator=g)
+    wtable = (torch.randperm(batch * per_win, generator=g) + 1).view(batch, per_win).int()
+    pslots = torch.cat([ptable[b].long()[pos // plan.block_size] * plan.block_size + pos % plan.block_size
+                        for b in range(batch)])  # fmt: skip
+    wslots = torch.cat([wtable[b].long()[pos // wbs] * wbs + pos % wbs for b in range(batch)])
     bound = [
         kernels.BoundLayer(plan, s.in_view(), s.packed_view(packed), s.window_view(window), torch.float32, d**-0.5)
         for s in (plan.slots[i] for i in layers)
     ]
     chunks = [(b, b * chunk, (b + 1) * chunk, cached) for b in range(batch)]
-    batch_plan = cpu_prefill.plan_prompts(chunks, ptable, plan.block_size, HQ, hkv, d, torch.float32)  # once a step
 
     def leank_step() -> None:
+        batch_plan = cpu_prefill.plan_prompts(chunks, ptable, plan.block_size, HQ, hkv, d, torch.float32)  # a step's
         for layer in bound:
-            cpu_prefill.attend(batch_plan, layer, q, k, v, out, ptable, ptable)
+            layer.write(pslots, wslots, k, v)
+            cpu_prefill.attend(batch_plan, layer, q, k, v, out, ptable, wtable)
 
     def sdpa_step() -> None:
         for layer in bound:
             for b, start, end, first in chunks:
                 kk, vv = kernels.prompt_kv(
-                    plan, layer.slot, layer.packed, ptable[b], layer.window, ptable[b], length, first, k[start:end],
+                    plan, layer.slot, layer.packed, ptable[b], layer.window, wtable[b], length, first, k[start:end],
                     v[start:end], torch.float32,
                 )  # fmt: skip
                 out[start:end] = kernels.dense_prefill(q[start:end], kk, vv, first, d**-0.5)
@@ -243,8 +253,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
     p.add_argument("--gather", type=int, default=3000,
                    help="also time a prompt chunk's gather of this many earlier tokens over every layer (0: no)")
-    p.add_argument("--prompt", default="4x512@2560",
-                   help="also time a prompt step: BATCH x CHUNK queries after CACHED prompt tokens each ('': no)")
+    p.add_argument("--prompt", default="4x512@2560,1x3000@0",
+                   help="also time prompt steps: BATCH x CHUNK queries after CACHED prompt tokens each, comma-separated "
+                   "('': no)")
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-kernel.json")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
@@ -312,8 +323,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
             del vcalls, packed, window, leank
     prompts = []
-    if args.prompt:
-        shape, cached = args.prompt.split("@")
+    for spec in filter(None, args.prompt.split(",")):
+        shape, cached = spec.split("@")
         pb, pc = (int(x) for x in shape.split("x"))
         for threads in [int(x) for x in args.threads.split(",")]:
             torch.set_num_threads(threads)
@@ -335,18 +346,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if prompts:
         lines += [
             "",
-            f"The prompt attention of one step, all {len(layers)} layers: {prompts[0]['batch']} requests, each a chunk of "
-            f"{prompts[0]['chunk']:,} prompt queries after {prompts[0]['cached']:,} prompt tokens (the dense-prompt "
-            "rule), milliseconds as above. vLLM: plain vLLM's write and CPU attention over its pages; LeanK: the "
-            "plugin's (`cpu_prefill.attend`: the gather into a scratch of vLLM's pages, then vLLM's kernel); SDPA: the "
-            "per-request gather and SDPA (`kernels.prompt_kv`, `kernels.dense_prefill`; what CUDA runs) over the same "
-            "pages.",
+            f"The prompt attention of one step, all {len(layers)} layers: requests x a chunk of prompt queries each, "
+            "after cached prompt tokens (the dense-prompt rule), milliseconds as above. vLLM: plain vLLM's write and "
+            "CPU attention over its pages; LeanK: the plugin's (its page write, then `cpu_prefill.attend`: the gather "
+            "into a scratch of vLLM's pages, the chunks' own K/V put there, then vLLM's kernel); SDPA: the per-request "
+            "gather and SDPA (`kernels.prompt_kv`, `kernels.dense_prefill`; what CUDA runs) over the same pages.",
             "",
-            "| threads | vLLM (ms) | LeanK (ms) | SDPA (ms) | LeanK / vLLM | SDPA / LeanK |",
-            "|---|---|---|---|---|---|",
+            "| step | threads | vLLM (ms) | LeanK (ms) | SDPA (ms) | LeanK / vLLM | SDPA / LeanK |",
+            "|---|---|---|---|---|---|---|",
             *(
-                f"| {r['threads']} | {r['vllm_ms']:.1f} | {r['leank_ms']:.1f} | {r['sdpa_ms']:.1f} | "
-                f"{r['leank_ms'] / r['vllm_ms']:.2f} | {r['sdpa_ms'] / r['leank_ms']:.2f} |"
+                f"| {r['batch']} x {r['chunk']:,} after {r['cached']:,} | {r['threads']} | {r['vllm_ms']:.1f} | "
+                f"{r['leank_ms']:.1f} | {r['sdpa_ms']:.1f} | {r['leank_ms'] / r['vllm_ms']:.2f} | "
+                f"{r['sdpa_ms'] / r['leank_ms']:.2f} |"
                 for r in prompts
             ),
         ]
