@@ -585,11 +585,14 @@ struct WArgs {  // mirrored by _WArgs in cpu_decode.py: keep the order
     int64_t threads;       // tokens split over at most this many (a step's slots are distinct)
 };
 
+// Threads for n tokens of row copies: at most the engine's, and >= 64 tokens a thread (fewer do not repay the team).
+static inline int64_t team(const int64_t threads, const int64_t n) { return threads < n / 64 + 1 ? threads : n / 64 + 1; }
+
 template <class T>
 static void write_rows(const WArgs &A) {
     const T *k = (const T *)A.k, *v = (const T *)A.v;
     const int64_t bs = A.block_size, wbs = A.window_block;
-    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+    const int64_t threads = team(A.threads, A.n);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < A.n; i++) {
         const T *ki = k + i * A.k_stride, *vi = v + i * A.v_stride;
@@ -681,7 +684,7 @@ static void gather_rows(const GArgs &A) {
     std::vector<int32_t> src(A.src, A.src + 2 * HD);  // buf columns: packed row at [0, W), rest row at [W, W + R)
     const int64_t per_block = (ob + GATHER_TILE - 1) / GATHER_TILE;
     const int64_t tiles = (A.n + ob - 1) / ob * per_block;  // some past n are empty
-    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+    const int64_t threads = team(A.threads, A.n);
 #pragma omp parallel num_threads(threads)
     {
         std::vector<T> buf(GATHER_TILE * RW);
@@ -749,7 +752,7 @@ static void put_rows(const PArgs &A) {
             starts.push_back(t), ends.push_back(t + 1);
     }
     const int64_t tiles = (int64_t)starts.size();
-    const int64_t threads = A.threads < A.n / 64 + 1 ? A.threads : A.n / 64 + 1;  // >= 64 tokens a thread
+    const int64_t threads = team(A.threads, A.n);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < tiles; i++) {
         const int64_t t0 = starts[i], t1 = ends[i];

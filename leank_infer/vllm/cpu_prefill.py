@@ -49,14 +49,21 @@ class PromptBatch:
     query_start_loc: torch.Tensor  # [requests + 1] int32
     seq_lens: torch.Tensor  # [requests] int32: earlier tokens + the chunk's
     block_table: torch.Tensor  # [requests, blocks] int32, into the scratch
-    num_blocks: int
-    block_size: int  # the scratch's: whole pages of LeanK's
     isa: str
     scheduler: torch.Tensor  # vLLM's scheduler metadata for these requests
     direct: bool  # vLLM's pages hold a block as :func:`pages` reads them: the library gathers straight into them
     # [num_blocks, Hkv, 2 * block_size, D]: the step's scratch pages, shared by its layers one after another (a fresh
     # one per layer faults its pages in again each time: 2.3x the gather's time on two threads); the pad slots zero
     scratch: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scratch.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the scratch: whole pages of LeanK's."""
+        return self.scratch.shape[2] // 2
 
 
 def pages(scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +180,7 @@ def plan_prompts(
         )
     return PromptBatch(
         tokens, tuple(gathers), gather_blocks, rows, earlier_slots, torch.cat(query_slots), pad_slots,
-        query_start_loc, seq_lens, block_table, blocks, bs, isa, scheduler,
+        query_start_loc, seq_lens, block_table, isa, scheduler,
         vllm_layout_is_known(isa, dtype, bs, head_dim), scratch,
     )  # fmt: skip
 
@@ -192,6 +199,7 @@ def attend(
     attended over their requests' prompts with every channel, into ``out`` ``[n, Hq, D]``."""
     heads, dim, scratch = k.shape[1], k.shape[2], batch.scratch
     key_cache, value_cache = scratch.chunk(2, dim=2)  # vLLM's CPU view of a block: K rows then V rows
+    kp, vp = pages(scratch)  # the same blocks as K transposed and V rows (where vLLM's kernels lay them out so)
 
     def put(kk: torch.Tensor, vv: torch.Tensor, slots: torch.Tensor) -> None:
         ops.cpu_attn_reshape_and_cache(
@@ -200,7 +208,6 @@ def attend(
 
     direct = batch.direct and cpu_decode.supports_gather(bound.packed, bound.window, q.dtype) and cpu_decode.available()
     if batch.earlier and direct:  # one pass: the library writes vLLM's page layout itself
-        kp, vp = pages(scratch)
         for (request, first, n, _), blocks in zip(batch.gathers, batch.gather_blocks, strict=True):
             cpu_decode.gather(
                 bound.packed, packed_table[request], bound.window, window_table[request], n, bound.slot, kp, vp, blocks,
@@ -219,8 +226,8 @@ def attend(
     sliced = isinstance(batch.tokens, slice)
     pick = (lambda t: t[batch.tokens]) if sliced else (lambda t: t.index_select(0, batch.tokens))
     own_k, own_v = pick(k), pick(v)
-    if batch.direct and cpu_decode.available() and cpu_decode.supports_put(own_k, own_v, *pages(scratch)):
-        cpu_decode.put(own_k, own_v, batch.query_slots, *pages(scratch))  # vLLM's write, split over the threads
+    if batch.direct and cpu_decode.available() and cpu_decode.supports_put(own_k, own_v, kp, vp):
+        cpu_decode.put(own_k, own_v, batch.query_slots, kp, vp)  # vLLM's write, split over the threads
     else:
         put(own_k, own_v, batch.query_slots)
     queries = pick(q)
