@@ -338,7 +338,7 @@ class LeanKPages:
         from leank_infer.vllm.pool import WorkerPlan
 
         self.plan = plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
-        if window_block is not None:  # else the plan's (pool.fit_window_block)
+        if window_block is not None:  # else the plan's (pool.fit_blocks)
             self.plan = plan = replace(plan, window_block=window_block)
         self.slot = plan.slots[layer]
         self.fp8, self.dtype = fp8, dtype

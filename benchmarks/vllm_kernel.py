@@ -15,8 +15,10 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
   (cycled over as many copies as ``--memory-gb`` allows).
 - **LeanK**: :meth:`leank_infer.vllm.cpu_decode.LayerKernel.decode`, each layer's call bound once as the engine's
   backend binds it, over the pages as the plugin lays them out
-  (:mod:`leank_infer.vllm.pool`: inside each page of 16 tokens, every layer's packed rows are one run, then
-  the window pages of the sink and the window; shuffled blocks), each layer through its own views.
+  (:mod:`leank_infer.vllm.pool`: inside each page, every layer's packed rows are one run, then the window pages of
+  the sink and the window; shuffled blocks), each layer through its own views. The block sizes are the plugin's on
+  CPU under the default rule (``-s3``: 40-token packed pages, 24-token window pages), or ``--block-size`` and the
+  window block the plugin picks for it.
 
 - **prompt step** (``--prompt BxC@N,...``): the prompt attention of a step of ``B`` chunks of ``C`` queries after
   ``N`` prompt tokens each, every layer: plain vLLM's, the plugin's on the CPU build (its page write included)
@@ -118,9 +120,11 @@ def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
     return call, isa
 
 
-def leank_pages(plan, batch: int, context: int, g: torch.Generator, bs: int = 16):
+def leank_pages(plan, batch: int, context: int, g: torch.Generator):
     """The packed and window stores' caches (random, finite; ``[blocks, 1, block_size, row]`` as vLLM binds
-    them) of ``batch`` requests of ``context`` tokens, shuffled blocks, with their block tables."""
+    them, at the plan's block sizes) of ``batch`` requests of ``context`` tokens, shuffled blocks, with their block
+    tables."""
+    bs = plan.block_size
     per_req = -(-context // bs)
     n_blocks = batch * per_req + 1
     packed = torch.randn(n_blocks, 1, bs, plan.packed_row, generator=g)
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--block-size", type=int, default=16, help="LeanK's page size (vLLM's stays 128)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="LeanK's packed block (default: the plugin's pick on CPU; vLLM's pages stay 128 tokens)")
     p.add_argument("--memory-gb", type=float, default=3.0, help="the most each side's pages may take")
     p.add_argument("--steps", type=int, default=7, help="timed steps per figure (after one warm-up)")
     p.add_argument("--gather", type=int, default=3000,
@@ -269,12 +274,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     mask = ChannelMask.from_pretrained(args.mask)
     hkv, d = mask.num_kv_heads, mask.head_dim
     layers = [i for i in range(mask.num_layers) if i not in mask.dense_layers]
-    plan = WorkerPlan.build(mask, layers, block_size=args.block_size)
+    plan = WorkerPlan.build(  # as the plugin plans a CPU worker under the default rule (hits at most vLLM's 128)
+        mask, layers, block_size=args.block_size or 16, dense_prompt=True, prefix_align=args.block_size or 128,
+        fit_packed=args.block_size is None,
+    )
     g = torch.Generator().manual_seed(0)
     rows = []
     print(
         f"load {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs; mask {Path(args.mask).name}, "
-        f"{len(layers)} layers, packed row {plan.packed_row * 4} B; LeanK blocks of {args.block_size}"
+        f"{len(layers)} layers, packed row {plan.packed_row * 4} B; LeanK blocks of {plan.block_size} (packed) and "
+        f"{plan.window_block} (window)"
     )
     print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM ms':>8} | {'LeanK ms':>8} {'x':>5}")
     budget = args.memory_gb * 2**30
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             isa = vcalls[0][1]
             q = torch.randn(batch, HQ, d, generator=g)
             seq = torch.full((batch,), context, dtype=torch.int32)
-            packed, table, window, wtable = leank_pages(plan, batch, context, g, args.block_size)
+            packed, table, window, wtable = leank_pages(plan, batch, context, g)
             leank = [  # each layer's calls bound once, as the engine's backend binds them
                 cpu_decode.LayerKernel(s.in_view(), s.packed_view(packed), s.window_view(window), plan, d**-0.5)
                 for s in (plan.slots[i] for i in layers)

@@ -1,6 +1,6 @@
 """Bytes a prompt token holds in vLLM's pool while its prompt is computed, plain vLLM against LeanK, every mask in hub/.
 
-    .venv-vllm/bin/python benchmarks/vllm_prompt_memory.py [--dtype float32] [--aligns 16 256] [--save]
+    .venv-vllm/bin/python benchmarks/vllm_prompt_memory.py [--dtype float32] [--aligns 16 128 256] [--save]
 
 No engine: per mask, the worker plan the plugin builds (:class:`leank_infer.vllm.pool.WorkerPlan`, one worker,
 the default rule) and the KV cache specs it gives vLLM (:func:`leank_infer.vllm.kv_specs.kv_specs`), whose
@@ -12,8 +12,9 @@ computed and it has left the window (packed row only), the window groups' count 
 vLLM aligns prefix-cache hits to (the least common multiple of the groups' block sizes), and what hashing an 8k
 prompt's blocks for the prefix cache takes (vLLM's sha256, at the greatest common divisor of the block sizes;
 the fastest of 3; plain vLLM on CPU hashes at its default block of 128 tokens). One row per mask and value of
-``--aligns``, the ``leank_prefix_align`` setting (16: the default, hits at the packed block; the window pages' block
-size, :func:`leank_infer.vllm.pool.fit_window_block`, follows from it). The last thing printed is a markdown table.
+``--aligns``, the ``leank_prefix_align`` setting (by default vLLM's own block size: 128 on CPU, 16 with most CUDA
+backends; the packed and window pages' block sizes, :func:`leank_infer.vllm.pool.fit_blocks`, follow from it, as
+the plugin picks them where ``--block-size`` is not given). The last thing printed is a markdown table.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def measure(folder: Path, dtype: torch.dtype, align: int) -> dict:
 
     mask = ChannelMask.from_pretrained(folder)
     layers = list(range(mask.num_layers))  # the models in hub/ have full attention in every layer
-    plan = WorkerPlan.build(mask, layers, dense_prompt=True, prefix_align=align)
+    plan = WorkerPlan.build(mask, layers, dense_prompt=True, prefix_align=align, fit_packed=True)
     packed, window = kv_specs(plan, dtype)
     stores = len(plan.window_layers)
     item = torch.empty((), dtype=dtype).element_size()
@@ -77,23 +78,24 @@ def hash_ms(unit: int, tokens: int = 8192) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/vllm_prompt_memory.py", description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV dtype")
-    p.add_argument("--aligns", type=int, nargs="+", default=[16, 256], help="leank_prefix_align values (tokens)")
+    p.add_argument("--aligns", type=int, nargs="+", default=[16, 128, 256], help="leank_prefix_align values (tokens)")
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-prompt-memory.json")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = [measure(f.parent, dtype, a) for f in sorted(ROOT.glob("hub/*/mask.safetensors")) for a in args.aligns]
     lines = [
         f"KV bytes per token in vLLM's pool against plain vLLM's, {args.dtype}, one worker, the default rule "
-        f"(`dense-prompt`), packed blocks of {rows[0]['block']} tokens. Hashing an 8k prompt for the prefix cache: "
-        f"plain vLLM (128-token blocks, its CPU default) {hash_ms(128):.1f} ms.",
+        "(`dense-prompt`), block sizes as the plugin picks them without `--block-size` (`leank_prefix_align` "
+        "defaults to vLLM's block size: 128 on CPU, 16 with most CUDA backends). Hashing an 8k prompt for the prefix "
+        f"cache: plain vLLM (128-token blocks, its CPU default) {hash_ms(128):.1f} ms.",
         "",
-        "| mask | `leank_prefix_align` | window stores x block | plain, B/token | prompt token in flight "
+        "| mask | `leank_prefix_align` | packed block | window stores x block | plain, B/token | prompt token in flight "
         "| decoded token | hits align to | hashing 8k tokens, ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| `{r['mask']}` | {r['prefix_align']} | {r['stores']} x {r['window_block']} | {r['plain']:,} "
+            f"| `{r['mask']}` | {r['prefix_align']} | {r['block']} | {r['stores']} x {r['window_block']} | {r['plain']:,} "
             f"| {r['in_flight'] / r['plain']:.2f}x | {r['decoded'] / r['plain']:.2f}x | {r['align']} "
             f"| {r['hash_ms']:.1f} |"
         )

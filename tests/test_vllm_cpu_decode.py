@@ -54,14 +54,16 @@ def check(pg, got: torch.Tensor, tol: float, scale: float = 0.125) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("window_block", [5, 9, 24, 128])
+@pytest.mark.parametrize("block_size, window_block", [(16, 5), (16, 9), (16, 24), (16, 128), (40, 24)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_pages_of_a_block_size_of_their_own(dtype, window_block):
-    """Window pages whose blocks hold another number of tokens than the packed pages' 16 (pool.fit_window_block):
-    the sink and window keys are read through the window table at their own block size, the rest through the packed
-    one."""
+def test_window_pages_of_a_block_size_of_their_own(dtype, block_size, window_block):
+    """Window pages whose blocks hold another number of tokens than the packed pages (pool.fit_blocks; 40 and 24:
+    what it picks for ``-s3`` on CPU): the sink and window keys are read through the window table at their own block
+    size, the rest through the packed one."""
     mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
-    pg = random_pages(mask, LENGTHS, q_heads=9, dtype=dtype, seed=2, window_block=window_block)
+    pg = random_pages(
+        mask, LENGTHS, q_heads=9, dtype=dtype, seed=2, block_size=block_size, window_block=window_block
+    )
     assert pg.window.shape[1] == window_block != pg.packed.shape[1]
     check(pg, run(pg, 2), TOL[dtype])
 

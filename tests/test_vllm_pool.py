@@ -51,42 +51,81 @@ def _in_flight(plan: WorkerPlan) -> float:
     return plan.page_elements / plan.block_size + len(plan.window_layers) * plan.page_elements / plan.window_block
 
 
-@pytest.mark.parametrize("align", [None, 256], ids=["hits-at-16", "hits-at-256"])
+@pytest.mark.parametrize("align", [None, 128, 256], ids=["hits-at-16", "hits-at-128", "hits-at-256"])
 @pytest.mark.parametrize("folder", HUB, ids=[p.name for p in HUB])
-def test_window_pages_of_their_own_block_size_fill_the_pages_at_no_other_cost(folder, align):
-    """Every mask in hub/: window pages with a block size of their own hold a prompt token in flight in no more
-    elements than 16-token ones, and cost nothing else: the packed pages, the window pages a decoding request holds,
-    and prefix-cache hits, which vLLM aligns to the least common multiple of the block sizes: 16 tokens by default,
-    at most 256 with ``prefix_align=256``, where every mask's prompt token in flight is within 6% of a plain one."""
+def test_block_sizes_that_fill_the_pages_cost_nothing_else(folder, align):
+    """Every mask in hub/: block sizes picked to fill the pages hold a prompt token in flight in no more elements than
+    16-token pages, and cost nothing else: the packed page holds its block of packed rows, a decoding request holds no
+    more window bytes than window pages of the packed block's size, prefix-cache hits align to at most ``align``
+    tokens (16 with the packed block fixed, the default of an explicit ``--block-size 16``; 128, plain vLLM's CPU
+    block, the CPU default) and prompts hash at 4 tokens or more. With 128 or more every mask's prompt token in
+    flight is within 7% of a plain one."""
     mask = ChannelMask.from_pretrained(folder)
     layers = list(range(mask.num_layers))
-    fit, same = (
-        WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=f, prefix_align=align) for f in (True, False)
-    )
+    fit = WorkerPlan.build(mask, layers, dense_prompt=True, prefix_align=align, fit_packed=align is not None)
+    same = WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=False)
+    own = WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=False, block_size=fit.block_size)
     dense = 2 * mask.num_kv_heads * mask.head_dim * mask.num_layers
-    assert _in_flight(fit) <= _in_flight(same) and (align is None or _in_flight(fit) <= 1.06 * dense)
-    assert fit.page_elements == same.page_elements == 16 * fit.packed_row and fit.block_size == same.block_size == 16
+    assert _in_flight(fit) <= _in_flight(same) and (align is None or _in_flight(fit) <= 1.07 * dense)
+    assert fit.page_elements == fit.block_size * fit.packed_row and same.block_size == 16
+    assert fit.block_size == 16 or (align is not None and fit.block_size % 8 == 0 and 16 <= fit.block_size <= align)
     assert math.lcm(fit.block_size, fit.window_block) <= (align or 16)
-    held = [len(p.window_layers) * steady_blocks(p.sink, p.window, p.window_block) for p in (fit, same)]
+    assert fit.window_block == fit.block_size or math.gcd(fit.block_size, fit.window_block) >= 4
+    held = [len(p.window_layers) * steady_blocks(p.sink, p.window, p.window_block) * p.page_elements for p in (fit, own)]
     assert held[0] <= held[1]
     assert fit.window_block * fit.window_row <= fit.block_size * fit.packed_row  # every store's rows fit a packed page
 
 
-def test_the_third_stage_mask_gets_one_store_of_8_or_9_token_window_pages():
+def test_the_third_stage_mask_fills_its_pages_with_40_and_24_token_blocks():
     """What docs/vllm.md tells: the 0.7 third-stage mask's rest row is 1.6x its packed row. In 16-token window pages
-    it takes two stores, the second partly empty; by default (hits at 16 tokens) one store of 8-token pages, as many
-    bytes per prompt token in flight (1.13x a plain token) and fewer a decoding request holds; with hits at up to 256
-    tokens one store of 9-token pages (hits at 144), for 1.05x."""
+    it takes two stores, the second partly empty; with the packed block fixed at 16 (hits at 16 tokens) one store of
+    8-token pages, as many bytes per prompt token in flight (1.13x a plain token) and fewer a decoding request holds;
+    by default on CPU (hits at up to 128 tokens, as plain vLLM's) packed pages of 40 tokens and one store of 24-token
+    window pages (hits at 120, prompts hashed at 8), 1.01x. Under the positional rule no prompt holds its rest rows,
+    and the 16 and 8 that a decoding request holds least in stay."""
     mask = ChannelMask.from_pretrained(Path(__file__).resolve().parent.parent / "hub" / "smollm2-135m-instruct-s3")
     layers = list(range(30))
-    same, fit, wide = (
-        WorkerPlan.build(mask, layers, dense_prompt=True, fit_window=f, prefix_align=a)
-        for f, a in ((False, None), (True, None), (True, 256))
+    same, fixed, fit, positional = (
+        WorkerPlan.build(mask, layers, dense_prompt=d, fit_window=f, prefix_align=a, fit_packed=a is not None)
+        for f, a, d in ((False, None, True), (True, None, True), (True, 128, True), (True, 128, False))
     )
-    assert [(p.window_block, len(p.window_layers)) for p in (same, fit, wide)] == [(16, 2), (8, 1), (9, 1)]
+    got = [(p.block_size, p.window_block, len(p.window_layers)) for p in (same, fixed, fit, positional)]
+    assert got == [(16, 16, 2), (16, 8, 1), (40, 24, 1), (16, 8, 1)]
     dense = 2 * 3 * 64 * 30
-    assert [round(_in_flight(p) / dense, 2) for p in (same, fit, wide)] == [1.13, 1.13, 1.05]
-    assert [steady_blocks(16, 80, p.window_block) * len(p.window_layers) for p in (same, fit, wide)] == [26, 24, 22]
+    assert [round(_in_flight(p) / dense, 2) for p in (same, fixed, fit)] == [1.13, 1.13, 1.01]
+    assert [steady_blocks(16, 80, p.window_block) * len(p.window_layers) for p in (same, fixed, fit)] == [26, 24, 11]
+    held = [steady_blocks(16, 80, p.window_block) * len(p.window_layers) * p.page_elements for p in (fit, positional)]
+    assert held[1] < held[0] and _in_flight(fit) < _in_flight(positional)
+
+
+def test_of_equal_fits_the_one_a_decoding_request_holds_least_in_is_taken():
+    """``-r80``'s rest rows, 2.8x its packed row, fill one window store alike at (24, 8) and (48, 16) tokens: a prompt
+    token in flight costs the same. The first is taken: its decoding requests hold fewer window bytes, and its hits
+    align to 24 tokens rather than 48."""
+    mask = ChannelMask.from_pretrained(Path(__file__).resolve().parent.parent / "hub" / "smollm2-135m-instruct-r80")
+    layers = list(range(30))
+    fit = WorkerPlan.build(mask, layers, dense_prompt=True, prefix_align=128, fit_packed=True)
+    other = WorkerPlan.build(mask, layers, dense_prompt=True, prefix_align=48, block_size=48)
+    assert [(p.block_size, p.window_block, len(p.window_layers)) for p in (fit, other)] == [(24, 8, 1), (48, 16, 1)]
+    assert _in_flight(fit) == _in_flight(other)
+    held = [steady_blocks(p.sink, p.window, p.window_block) * p.page_elements for p in (fit, other)]
+    assert held[0] < held[1]
+
+
+def test_window_pages_never_cost_a_decoding_request_more_than_pages_of_the_packed_block():
+    """Rest rows whose tightest fit in flight (window pages of 32 tokens, several stores) would make a decoding
+    request hold more window bytes (its sink and two windows, rounded up to blocks) than window pages of the packed
+    block's 16 tokens: that pair is not taken, one that costs the request no more is."""
+    from leank_infer.vllm.pool import fit_blocks, split_stores
+
+    rests = [[55, 11, 48, 29, 34]]
+
+    def held(w: int) -> int:
+        return len(split_stores(rests[0], 16 * 131 // w)) * steady_blocks(32, 48, w) * 16 * 131
+
+    assert held(32) > held(16)
+    b, w, capacity = fit_blocks(131, rests, [16], 32, 48, 64)
+    assert b == 16 and capacity == 16 * 131 // w and held(w) <= held(16)
 
 
 def test_packed_and_rest_rows_are_the_full_rows_each_element_once():

@@ -68,7 +68,7 @@ def random_pages(
 
     ``whole_window``: every token's rest row in the window pages (a prompt being computed under the
     dense-prompt rule), not only the sink's and the last window's. ``window_block``: tokens per window page (default:
-    the plan's, which :func:`~leank_infer.vllm.pool.fit_window_block` chose; ``block_size``: one block size)."""
+    the plan's, which :func:`~leank_infer.vllm.pool.fit_blocks` chose; ``block_size``: one block size)."""
     g = torch.Generator().manual_seed(seed)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
     if window_block is not None:

@@ -61,7 +61,7 @@ class LeanKAttentionMixin:
         self.window_name: str | None = None
         self.fp8: torch.dtype | None = None
         self.dense_prompt = False
-        self.prefix_align: int | None = None  # leank_prefix_align (None: the packed block size)
+        self.prefix_align: int | None = None  # leank_prefix_align (None: vLLM's block size)
         self._bound: kernels.BoundLayer | None = None
         self._bound_key: tuple | None = None
         config = get_current_vllm_config()
@@ -189,7 +189,9 @@ def plan_worker(
     the sliding-window layers of a hybrid model, ignores it (its GPU backends would not: refused there).
 
     ``prefix_align``: the ``leank_prefix_align`` setting, the most tokens vLLM may align prefix-cache hits to where
-    the window pages take a block size of their own (:func:`~leank_infer.vllm.pool.fit_window_block`).
+    LeanK's pages take block sizes that fill them (:func:`~leank_infer.vllm.pool.fit_blocks`); by default the block
+    size vLLM would use without LeanK (``cache_config.block_size``), so LeanK's hits are never coarser than plain
+    vLLM's. Unless ``--block-size`` names the packed block, the plugin picks it too.
     """
     from vllm.distributed import (
         get_pp_group,
@@ -249,13 +251,15 @@ def plan_worker(
     cache = vllm_config.cache_config
     user_block = getattr(cache, "user_specified_block_size", False)
     block = cache.block_size if user_block else DEFAULT_BLOCK_SIZE
+    # hits no coarser than plain vLLM's own: its block size (the CPU platform's default is 128 tokens, CUDA's 16)
+    prefix_align = prefix_align or cache.block_size
     pp = get_pp_group().world_size
     stages = [
         [i for i in range(*get_pp_indices(mask.num_layers, r, pp)) if i not in windowed_layers] for r in range(pp)
     ]
     plan = WorkerPlan.build(  # a hybrid model's page is cut to its windowed layers' kernel: window blocks as packed ones
         mask, order, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), block, stages,
-        dense_prompt, fit_window=not windowed, prefix_align=prefix_align,
+        dense_prompt, fit_window=not windowed, prefix_align=prefix_align, fit_packed=not user_block,
     )
     first_name, first = layers[order[0]]
     page_bytes = None

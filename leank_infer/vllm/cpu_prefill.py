@@ -30,7 +30,8 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from . import cpu_decode, kernels
 
-SCRATCH_BLOCK = 128  # tokens per block of the scratch pages at least (vLLM's CPU default; its kernel takes multiples of 32)
+SCRATCH_BLOCK = 128  # tokens per block of the scratch pages at least (vLLM's CPU default)
+SCRATCH_UNIT = 32  # a scratch block is a multiple of this (vLLM's CPU kernel takes multiples of 32)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,13 @@ def vllm_layout_is_known(isa: str, dtype: torch.dtype, block_size: int, head_dim
     return torch.equal(kk[0].transpose(0, 1), k) and torch.equal(vv[0].transpose(0, 1), v)
 
 
+def scratch_block(page_block: int) -> int:
+    """Tokens per scratch block over LeanK's pages of ``page_block`` tokens: whole pages (a scratch block of earlier
+    tokens is keyed by the pages it copies), a multiple of :data:`SCRATCH_UNIT`, at least :data:`SCRATCH_BLOCK`."""
+    unit = math.lcm(SCRATCH_UNIT, page_block)
+    return unit * -(-SCRATCH_BLOCK // unit)
+
+
 def plan_prompts(
     chunks: list[tuple[int, int, int, int]],
     packed_table: torch.Tensor,
@@ -107,7 +115,7 @@ def plan_prompts(
     too: a scratch block of earlier tokens is keyed by the LeanK pages it copies, so a document that many requests
     hit is gathered once per layer, not once per request, and vLLM's kernel reads it as plain vLLM reads its cached
     blocks. (The packed pages identify the window pages too: vLLM hits a prefix in every KV cache group or none.)"""
-    bs = math.lcm(SCRATCH_BLOCK, page_block)
+    bs = scratch_block(page_block)
     per = bs // page_block
     isa = _get_attn_isa(dtype, bs, head_dim, "auto")
     shared: dict[tuple[int, ...], int] = {}

@@ -21,8 +21,8 @@ layer's page size depends on its mask row. So the layers do not get a page each:
 holds all of them side by side in one row (one group, any mix of kept counts, no padding but the
 tensor-parallel one below), and the window stores hold as many layers' rest rows as fit in a packed
 page (layers in order, a new store where the next one does not fit), padded to it. A window page holds a
-block size of its own (:func:`fit_window_block`), so that its rows may be wider or narrower than a packed
-row and the pages still be full. The model's attention layers share the packed store's cache and block table
+block size of its own (:func:`fit_blocks`, which may pick the packed one too), so that its rows may be wider or
+narrower than a packed row and the pages still be full. The model's attention layers share the packed store's cache and block table
 through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
 columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
 out in its own row; the row is as wide as the widest rank's (all ranks must have the same pages), so
@@ -128,6 +128,7 @@ class WorkerPlan:
         dense_prompt: bool = False,
         fit_window: bool = True,
         prefix_align: int | None = None,
+        fit_packed: bool = False,
     ) -> WorkerPlan:
         """The plan for a worker running ``layers`` of the model on tensor-parallel rank ``tp_rank``.
 
@@ -135,9 +136,10 @@ class WorkerPlan:
         the engine must have the same page size, so the packed row is the widest any (stage, rank)
         needs, and the window stores are cut from it the same way everywhere.
 
-        ``fit_window``: give the window stores a block size of their own (:func:`fit_window_block`, prefix-cache hits
+        ``fit_window``: give the window stores a block size of their own (:func:`fit_blocks`, prefix-cache hits
         aligned to at most ``prefix_align`` tokens, default ``block_size``) so that their pages, as large as a packed
-        page, are filled; else they hold ``block_size`` tokens as the packed pages do.
+        page, are filled; else they hold ``block_size`` tokens as the packed pages do. ``fit_packed``: pick the packed
+        block too (a multiple of :data:`PACKED_BLOCK_STEP` from 16 to ``prefix_align``) instead of ``block_size``.
         """
         total_heads, head_dim = mask.num_kv_heads, mask.head_dim
         ranks = [kv_heads_of_rank(total_heads, tp_size, r) for r in range(tp_size)]
@@ -164,8 +166,12 @@ class WorkerPlan:
         all_rests = [[rest_of(layer) for layer in stage] for stage in (stages or [layers])]
         window = mask.recent_size + mask.accumu_size
         if fit_window:
-            window_block, capacity = fit_window_block(
-                offset, all_rests, block_size, mask.sink_size, window, prefix_align or block_size
+            align = prefix_align or block_size
+            blocks = [block_size]
+            if fit_packed:
+                blocks = list(range(DEFAULT_BLOCK_SIZE, align + 1, PACKED_BLOCK_STEP)) or [DEFAULT_BLOCK_SIZE]
+            block_size, window_block, capacity = fit_blocks(
+                offset, all_rests, blocks, mask.sink_size, window, align, dense_prompt
             )
         else:  # the packed block: a store's row is as wide as a packed row, or as the widest rest row if wider
             window_block, capacity = block_size, max([offset, *(r for stage in all_rests for r in stage)])
@@ -221,35 +227,63 @@ def steady_blocks(sink: int, window: int, block: int) -> int:
     return -(-sink // block) + 2 * (-(-window // block) + 1)
 
 
-def fit_window_block(
-    packed_row: int, rests: list[list[int]], block_size: int, sink: int, window: int, align: int
-) -> tuple[int, int]:
-    """(tokens per window page, elements per token of a window store) for a packed row of ``packed_row`` elements in
-    pages of ``block_size`` tokens, and the rest rows ``rests`` of every pipeline stage's layers.
+PACKED_BLOCK_STEP = 8  # a packed block the plugin picks is a multiple of this many tokens, at least 16
+MIN_HASH_UNIT = 4  # tokens: vLLM hashes prompts at the blocks' gcd; a gcd of 1 takes ~40x plain's time on an 8k prompt
 
-    Every page in vLLM's pool is the same size, a packed page. A window store whose block holds ``block_size``
-    tokens, as a packed one does, holds whole layers' rest rows up to a packed row's width, and its last store is
-    partly empty; a prompt token in flight pays for that (up to 1.5x a plain token). A window block of ``w`` tokens
-    holds rows up to ``block_size * packed_row / w`` wide instead. vLLM aligns prefix-cache hits to the least common
-    multiple of the block sizes (and hashes prompts at their greatest common divisor), so only a ``w`` whose multiple
-    with the packed block is at most ``align`` tokens (or the packed block) is taken: the one whose stores cost a
-    prompt token in flight least (within 1%, the fewest stores), among those whose stores cost a decoding request no
-    more window blocks' bytes (sink and two windows) than ``block_size`` tokens would (where a rest row is wider than
-    ``block_size`` tokens of a page allow, no such comparison exists: any that fits)."""
-    page = max(block_size * packed_row, *(r for stage in rests for r in stage))
-    align = max(align, block_size)
 
-    def cost(w: int) -> tuple[int, float, int] | None:
+def fit_blocks(
+    packed_row: int,
+    rests: list[list[int]],
+    packed_blocks: list[int],
+    sink: int,
+    window: int,
+    align: int,
+    dense_prompt: bool = True,
+) -> tuple[int, int, int]:
+    """(tokens per packed page, tokens per window page, elements per token of a window store) for a packed row of
+    ``packed_row`` elements, the rest rows ``rests`` of every pipeline stage's layers, and a packed block among
+    ``packed_blocks``.
+
+    Every page in vLLM's pool is the same size, a packed page. A window store whose block holds as many tokens as a
+    packed one holds whole layers' rest rows up to a packed row's width, and its last store is partly empty; a prompt
+    token in flight pays for that (up to 1.5x a plain token). A window block of ``w`` tokens holds rows up to
+    ``packed_block * packed_row / w`` wide instead, so the two block sizes together set how full the window pages are
+    (``-s3``'s rest row is 1.6x its packed row: 40 and 24 tokens fill them to 98%). vLLM aligns prefix-cache hits to
+    the least common multiple of the block sizes and hashes prompts at their greatest common divisor, so only pairs
+    whose multiple is at most ``align`` tokens and whose divisor is at least :data:`MIN_HASH_UNIT` (or one block size;
+    any divisor where no such pair holds a rest row) are taken, and only those whose stores cost a decoding request
+    (sink and two windows) no more bytes than window pages of the packed block's size would. Under the ``dense-prompt`` rule the pair whose stores cost a prompt token
+    in flight least is taken (within 1%: the fewest stores, then the fewest bytes a decoding request holds, then the
+    finest hits); under the positional rule, where no prompt holds its rest rows, the fewest bytes a decoding request
+    holds."""
+    widest = max(r for stage in rests for r in stage)
+
+    def cost(b: int, w: int) -> tuple[int, float, int] | None:
+        page = max(b * packed_row, widest)
         capacity = page // w
-        if capacity < 1 or any(r > capacity for stage in rests for r in stage):  # a page holds w whole rows
+        if capacity < 1 or widest > capacity:  # a page holds w whole rows
             return None
         stores = max(len(split_stores(stage, capacity)) for stage in rests)
-        return stores, stores * page / w, stores * steady_blocks(sink, window, w)
+        return stores, stores * page / w, stores * steady_blocks(sink, window, w) * page
 
-    fits = {w: c for w in range(1, align + 1) if math.lcm(w, block_size) <= align and (c := cost(w)) is not None}
-    same = fits.get(block_size)
-    if same is not None:
-        fits = {w: c for w, c in fits.items() if c[2] <= same[2]}
-    best = min(c[1] for c in fits.values())
-    w = min((w for w, c in fits.items() if c[1] <= best * 1.01), key=lambda w: (fits[w][0], fits[w][1], -w))
-    return w, page // w
+    fits: dict[tuple[int, int], tuple[int, float, int]] = {}
+    for unit in (MIN_HASH_UNIT, 1):  # finer hashing only where nothing else fits (rest rows many times a packed page)
+        for b in packed_blocks:
+            same = cost(b, b)
+            for w in range(1, max(align, b) + 1):
+                if math.lcm(w, b) > max(align, b) or (w != b and math.gcd(w, b) < unit):
+                    continue
+                c = cost(w=w, b=b)
+                if c is not None and (same is None or c[2] <= same[2]):
+                    fits[b, w] = c
+        if fits:
+            break
+    if dense_prompt:
+        best = min(c[1] for c in fits.values())
+        near = [k for k, c in fits.items() if c[1] <= best * 1.01]
+        key = lambda k: (fits[k][0], fits[k][2], math.lcm(*k), fits[k][1], -k[1])  # noqa: E731
+    else:
+        near = list(fits)
+        key = lambda k: (fits[k][2], fits[k][0], math.lcm(*k), -k[1])  # noqa: E731
+    b, w = min(near, key=key)
+    return b, w, max(b * packed_row, widest) // w

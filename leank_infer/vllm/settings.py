@@ -13,10 +13,11 @@ vLLM's place for settings of out-of-tree code is ``additional_config`` (``vllm s
   its position; a request holds the rest of its prompt's channels in the pool while the prompt is computed) or
   ``"positional"`` (the prompt by its position too: no such rows, lower accuracy on long prompts). Both are
   rules of ``LeanKModel(rule=...)``, so the two paths give the same tokens,
-- ``leank_prefix_align``: the most tokens vLLM may align prefix-cache hits to (default: the packed pages' block,
-  16), so that LeanK's window pages may hold a number of tokens of their own that fills them
-  (:func:`~leank_infer.vllm.pool.fit_window_block`): a larger value (say 256) holds a prompt token in flight in
-  fewer bytes, and a prefix-cache hit then leaves up to that many tokens to recompute.
+- ``leank_prefix_align``: the most tokens vLLM may align prefix-cache hits to (default: the block size vLLM uses
+  without LeanK, 128 on CPU and 16 on CUDA unless ``--block-size`` says otherwise, so hits are never coarser than
+  plain vLLM's), within which LeanK's packed and window pages take the numbers of tokens that fill them
+  (:func:`~leank_infer.vllm.pool.fit_blocks`): a larger value may hold a prompt token in flight in fewer bytes,
+  and a prefix-cache hit then leaves up to that many tokens to recompute.
 
 The environment variable ``LEANK_MASK`` names a mask when ``additional_config`` does not (handy
 for scripts that cannot change the engine arguments). Without either, the plugin does nothing.
@@ -53,7 +54,7 @@ class LeanKSettings:
     revision: str | None = None
     check_base_model: bool = True
     rule: str = DENSE_PROMPT
-    prefix_align: int | None = None  # tokens; None: the packed pages' block size
+    prefix_align: int | None = None  # tokens; None: vLLM's block size (cache_config.block_size)
 
     @property
     def dense_prompt(self) -> bool:

@@ -162,7 +162,7 @@ def test_the_spec_counts_a_sink_longer_than_any_request_as_the_request():
 
 
 def test_an_engine_whose_pool_cannot_hold_one_long_prompt_stops_at_start(model_dir, alarm):
-    """The probe: ``num_gpu_blocks_override=160``, ``max_model_len=1536`` and 1k-token prompts under the dense-prompt
+    """The probe: ``num_gpu_blocks_override=160`` (16-token pages then; 100 with the 40- and 24-token pages of today), ``max_model_len=1536`` and 1k-token prompts under the dense-prompt
     rule used to start, then hold every request waiting, 0 running, forever. Now the engine does not start."""
     from vllm import LLM, SamplingParams
 
@@ -171,14 +171,14 @@ def test_an_engine_whose_pool_cannot_hold_one_long_prompt_stops_at_start(model_d
     alarm(600)  # the old behaviour: a generate that never returns
     engine = {**ENGINE, "max_model_len": 1536}
     with pytest.raises(MaskError) as err:
-        llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, num_gpu_blocks_override=160,
+        llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, num_gpu_blocks_override=100,
                   enforce_eager=True, **engine)  # fmt: skip
         prompts = [
             {"prompt_token_ids": [(7 * i + j) % 5000 + 10 for j in range(1000 + 30 * i)]} for i in range(3)
         ]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert (
-        "the KV pool's 159 blocks cannot hold one request of max_model_len 1536 under the "
+        "the KV pool's 99 blocks cannot hold one request of max_model_len 1536 under the "
         "dense-prompt rule"
         in str(err.value)
         and "\n" not in str(err.value)

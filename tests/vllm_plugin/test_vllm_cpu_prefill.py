@@ -28,14 +28,16 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> tor
 
 
 def step(
-    lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype, fp8, seed: int, window_block=None
+    lengths: list[int], chunks: list[tuple[int, int, int]], gap: int, dtype, fp8, seed: int, window_block=None,
+    block_size: int = 16,
 ):  # noqa: ANN001
     """Pages of requests whose prompts are ``lengths`` long, and a step of ``2 + sum(n) + gap`` tokens: two decode
     tokens, then for each ``(request, cached, n)`` its chunk of ``n`` prompt queries after ``cached`` tokens (``gap``
     tokens of other work after the first chunk). The chunks' own K/V are not the pages': the step's are used. The
-    window pages hold the plan's tokens per block (16 for this mask, as the packed pages do) unless ``window_block``."""
+    window pages hold the plan's tokens per block (16 for this mask, as the packed pages do) unless ``window_block``; the
+    packed pages ``block_size``."""
     mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=seed, **EMBEDDED)
-    pg = random_pages(mask, lengths, layer=1, q_heads=9, block_size=16, dtype=dtype, fp8=fp8, seed=seed,
+    pg = random_pages(mask, lengths, layer=1, q_heads=9, block_size=block_size, dtype=dtype, fp8=fp8, seed=seed,
                       whole_window=True, window_block=window_block)  # fmt: skip
     g = torch.Generator().manual_seed(seed + 1)
     total = 2 + sum(n for _, _, n in chunks) + gap
@@ -73,14 +75,16 @@ def planned(path, monkeypatch, fp8, *args) -> cpu_prefill.PromptBatch:  # noqa: 
     "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "e4m3")], ids=["fp32", "bf16", "fp8"]
 )
 @pytest.mark.parametrize("gap", [0, 3], ids=["one-run", "apart"])
-def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap, path, monkeypatch):
+@pytest.mark.parametrize("blocks", [(16, None), (40, 24)], ids=["pages-16", "pages-40-24"])
+def test_a_steps_prompt_chunks_attend_as_the_model(dtype, fp8, gap, blocks, path, monkeypatch):
     """Chunks after 0, 1, 37 and 300 cached prompt tokens (a one-token chunk among them), in one step, in one run of
     the step's tokens or apart: each query equals causal attention over its request's earlier tokens (every channel,
-    from the pages) and the step's own K/V; every other row of the output stays as it was."""
+    from the pages) and the step's own K/V; every other row of the output stays as it was. Over 16-token pages, and
+    over 40-token packed and 24-token window pages (``-s3``'s on CPU: 160-token scratch blocks)."""
     lengths = [40, 350, 100, 30]
     chunks = [(1, 300, 50), (0, 37, 1), (2, 0, 100), (3, 1, 20)]
-    pg, q, k, v, rows = step(lengths, chunks, gap, dtype, fp8, seed=3)
-    batch = planned(path, monkeypatch, fp8, rows, pg.packed_table, 16, 9, 3, 64, q.dtype)
+    pg, q, k, v, rows = step(lengths, chunks, gap, dtype, fp8, seed=3, window_block=blocks[1], block_size=blocks[0])
+    batch = planned(path, monkeypatch, fp8, rows, pg.packed_table, blocks[0], 9, 3, 64, q.dtype)
     assert isinstance(batch.tokens, slice) == (gap == 0)
     bound = kernels.BoundLayer(pg.plan, pg.slot, pg.packed, pg.window, q.dtype, SCALE, pg.k_scale, pg.v_scale, pg.fp8)
     out = torch.full_like(q, 5.0)
@@ -216,3 +220,17 @@ def test_the_page_layout_is_vllms_own(dtype, head_dim, monkeypatch):
     cpu_prefill.vllm_layout_is_known.cache_clear()
     assert not cpu_prefill.vllm_layout_is_known(isa, dtype, 128, head_dim)
     cpu_prefill.vllm_layout_is_known.cache_clear()
+
+
+@pytest.mark.parametrize("page_block", [1, 8, 16, 24, 40, 56, 128, 200])
+def test_a_scratch_block_is_whole_pages_and_what_vllms_kernel_takes(page_block):
+    """The scratch over LeanK's pages of any block size the plugin may pick: a block of whole LeanK pages (shared
+    blocks are keyed by the pages they copy), a multiple of 32 tokens (vLLM's CPU kernel), at least vLLM's CPU default
+    of 128, and no larger than that needs (a larger block pads every request's last one)."""
+    from leank_infer.vllm.cpu_prefill import scratch_block
+
+    def fits(n: int) -> bool:
+        return n % page_block == 0 and n % 32 == 0 and n >= 128
+
+    got = scratch_block(page_block)
+    assert fits(got) and not any(fits(n) for n in range(1, got))

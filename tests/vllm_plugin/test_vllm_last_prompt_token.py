@@ -1,8 +1,8 @@
 """A prefix-cache hit that leaves one prompt token: vLLM schedules that token as a decode (one new token), but
 under the default dense-prompt rule it is a prompt query, which attends to the prompt with every channel.
 
-Found by the soak test (tests/vllm_plugin/test_vllm_soak.py): a 609-token prompt (609 = 38 blocks of 16 + 1) sent
-again after it was computed hit 608 tokens (vLLM hits a prefix at a multiple of every KV cache group's block size:
+Found by the soak test (tests/vllm_plugin/test_vllm_soak.py): a 609-token prompt (609 = 38 blocks of 16 + 1, the
+block sizes then) sent again after it was computed hit 608 tokens (vLLM hits a prefix at a multiple of every KV cache group's block size:
 the packed pages' and the window pages'), its last prompt token ran LeanK's decode attention, and its greedy
 tokens left LeanKModel's from the tenth on. Its own engine (enforce_eager: nothing to compile), one prompt.
 """
@@ -14,11 +14,8 @@ import math
 
 import pytest
 
-from leank_infer import ChannelMask
-from leank_infer.vllm.pool import WorkerPlan
-
 from .conftest import ENGINE, MASK, reference_tokens
-from .test_vllm_plugin import prose, run
+from .test_vllm_plugin import leank_impls, prose, run
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +27,7 @@ def test_a_hit_that_leaves_the_last_prompt_token_equals_leank_model(model_dir, t
 
     llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, enforce_eager=True, **ENGINE)
     try:
-        mask = ChannelMask.from_pretrained(MASK)
-        plan = WorkerPlan.build(mask, list(range(mask.num_layers)), dense_prompt=True)
+        plan = leank_impls(llm)[0].plan  # the engine's block sizes
         block = math.lcm(plan.block_size, plan.window_block)  # vLLM hits prefixes at multiples of every group's block
         ask = tokenizer("\n\nWhat is the first topic above?").input_ids
         doc = prose(tokenizer)[4000:]

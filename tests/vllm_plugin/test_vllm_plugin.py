@@ -75,7 +75,8 @@ def test_every_leank_byte_is_in_vllms_pool_and_its_report(leank_llm):
     impls = leank_impls(leank_llm)
     assert len(impls) == 30 and all(i.slot is not None for i in impls)
     plan = impls[0].plan
-    assert (plan.block_size, plan.window_block, len(plan.window_layers)) == (16, 8, 1)  # pool.fit_window_block
+    # pool.fit_blocks: block sizes filling the pages, hits no coarser than plain vLLM's 128 tokens
+    assert (plan.block_size, plan.window_block, len(plan.window_layers)) == (40, 24, 1)
     packed, window = kv_specs(plan, torch.float32)
     num_blocks = cfg.cache_config.num_gpu_blocks
     assert num_blocks == KV_SPACE_GIB * 2**30 // packed.page_size_bytes  # one pool, one page size
@@ -130,16 +131,18 @@ def unchunked(leank_llm, shared, prompts) -> list[list[int]]:
     return generate(leank_llm, shared + prompts)
 
 
-@pytest.mark.parametrize("budget, align", [(256, None), (1024, None), (256, 256)])
+@pytest.mark.parametrize("budget, align", [(256, None), (1024, None), (256, 16)])
 def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget, align):
-    """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run); so do
-    window pages of 9 tokens (``leank_prefix_align`` 256: hits at multiples of 144 tokens)."""
+    """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run, at multiples
+    of 120 tokens: packed pages of 40, window pages of 24); so do packed pages of 16 tokens and window pages of 8
+    (``leank_prefix_align`` 16: hits at multiples of 16)."""
     from vllm import LLM
 
     config = {"leank_mask": MASK} | ({"leank_prefix_align": align} if align else {})
     llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=budget, **ENGINE)
     try:
-        assert leank_impls(llm)[0].plan.window_block == (9 if align else 8)
+        plan = leank_impls(llm)[0].plan
+        assert (plan.block_size, plan.window_block) == ((16, 8) if align else (40, 24))
         assert generate(llm, shared + prompts) == unchunked
     finally:
         del llm
