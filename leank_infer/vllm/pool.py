@@ -22,9 +22,9 @@ holds all of them side by side in one row (one group, any mix of kept counts, no
 tensor-parallel one below), and the window stores hold as many layers' rest rows as fit in a packed
 page (layers in order, a new store where the next one does not fit), padded to it. A window page holds a
 block size of its own (:func:`fit_blocks`, which may pick the packed one too), so that its rows may be wider or
-narrower than a packed row and the pages still be full. The model's attention layers share the packed store's cache and block table
-through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads its own
-columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
+narrower than a packed row and the pages still be full. The model's attention layers share the packed store's
+cache and block table through vLLM's cross-layer KV sharing (``kv_sharing_target_layer_name``); each layer reads
+its own columns. Under tensor parallelism every rank keeps its KV heads' slice of the mask and lays its layers
 out in its own row; the row is as wide as the widest rank's (all ranks must have the same pages), so
 a rank whose heads keep fewer channels over the whole model pads the end of its row.
 """
