@@ -1,7 +1,7 @@
 """Speculative decoding in vLLM with and without LeanK: n-gram drafts, tokens per second and acceptance.
 
     .venv-vllm/bin/python benchmarks/vllm_speculative.py [--mask hub/smollm2-135m-instruct-s3] [--context 2048]
-        [--batch 4] [--new-tokens 64] [--spec-tokens 3] [--threads 2] [--repeats 2] [--save]
+        [--batch 4] [--new-tokens 64] [--spec-tokens 3] [--threads 2] [--repeats 2] [--prefix-align N] [--save]
 
 Four engines per repeat, each fresh in its own process and alternating: plain vLLM and LeanK (the default rule),
 each without and with vLLM's n-gram speculation (``speculative_config={"method": "ngram", ...}``). Each engine
@@ -53,6 +53,8 @@ def child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     extra = {"additional_config": {"leank_mask": args.mask}} if args.mask else {}
+    if args.mask and args.prefix_align:
+        extra["additional_config"]["leank_prefix_align"] = args.prefix_align
     if args.spec_tokens:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}  # fmt: skip
@@ -87,6 +89,8 @@ def engine(args: argparse.Namespace, mask: str, spec_tokens: int) -> dict:
            "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
     cmd = [sys.executable, __file__, "--child", "--mask", mask, "--spec-tokens", str(spec_tokens),
            "--context", str(args.context), "--batch", str(args.batch), "--new-tokens", str(args.new_tokens)]  # fmt: skip
+    if args.prefix_align:
+        cmd += ["--prefix-align", str(args.prefix_align)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode or not line:
@@ -115,6 +119,9 @@ def main() -> None:
     )
     p.add_argument(
         "--save", action="store_true", help="write the table to docs/results/vllm-speculative.json"
+    )
+    p.add_argument(
+        "--prefix-align", type=int, default=None, help="LeanK's leank_prefix_align (default: the plugin's)"
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
