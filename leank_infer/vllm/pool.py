@@ -252,10 +252,10 @@ def fit_blocks(
     the least common multiple of the block sizes and hashes prompts at their greatest common divisor, so only pairs
     whose multiple is at most ``align`` tokens and whose divisor is at least :data:`MIN_HASH_UNIT` (or one block size;
     any divisor where no such pair holds a rest row) are taken, and only those whose stores cost a decoding request
-    (sink and two windows) no more bytes than window pages of the packed block's size would. Under the ``dense-prompt`` rule the pair whose stores cost a prompt token
-    in flight least is taken (within 1%: the fewest stores, then the fewest bytes a decoding request holds, then the
-    finest hits); under the positional rule, where no prompt holds its rest rows, the fewest bytes a decoding request
-    holds."""
+    (sink and two windows) no more bytes than window pages of the packed block's size would. Under the
+    ``dense-prompt`` rule the pair whose stores cost a prompt token in flight least is taken (within 1%: the fewest
+    stores, then the fewest bytes a decoding request holds, then the finest hits); under the positional rule, where
+    no prompt holds its rest rows, the fewest bytes a decoding request holds."""
     widest = max(r for stage in rests for r in stage)
 
     def cost(b: int, w: int) -> tuple[int, float, int] | None:
