@@ -172,6 +172,79 @@ def test_the_thread_count_does_not_change_a_bit():
     assert torch.equal(one[0], outs[0][3])
 
 
+def runs_pages(pg, queries: list[int], seed: int = 0):
+    """``pg``'s requests as runs of ``queries[r]`` rows each (positions up to the request's last, over its tables),
+    each row with a query of its own: what the metadata builder hands the kernel for speculative drafts."""
+    rows = [r for r, n in enumerate(queries) for _ in range(n)]
+    back = [n - 1 - j for n in queries for j in range(n)]
+    lens = [int(pg.seq_lens[r]) - k for r, k in zip(rows, back, strict=True)]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(rows), *pg.q.shape[1:], generator=g).to(pg.q.dtype)
+    idx = torch.tensor(rows)
+    return dataclasses.replace(
+        pg, q=q, packed_table=pg.packed_table[idx], window_table=pg.window_table[idx],
+        seq_lens=torch.tensor(lens, dtype=torch.int32), keys=[pg.keys[r][:n] for r, n in zip(rows, lens, strict=True)],
+        values=[pg.values[r][:n] for r, n in zip(rows, lens, strict=True)],
+    )  # fmt: skip
+
+
+def run_runs(pg, queries: list[int] | None, threads: int = 1) -> torch.Tensor:
+    torch.set_num_threads(threads)
+    return cpu_decode.decode(
+        pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot, 0.125,
+        pg.k_scale, pg.v_scale, pg.fp8, runs=None if queries is None else cpu_decode.runs_of(queries),
+    )  # fmt: skip
+
+
+# (the run's last length, its queries): runs before the sink and the first window step, runs crossing a step of
+# the window (p - recent across a multiple of accumu: the later queries score more middle keys than the first), runs
+# over one and several pieces of the shared middle (SPLIT keys each), a row alone between runs, the builder's most
+RUNS = [(9, 3), (80, 4), (97, 2), (113, 4), (700, 4), (1500, 1), (1504, 5), (3000, 16)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "e4m3")], ids=["fp32", "bf16", "fp8"]
+)
+def test_a_run_of_drafts_scores_each_query_by_its_own_position(dtype, fp8, threads):
+    """Rows marked as a run (speculative drafts: one request's queries at consecutive positions) read the middle they
+    share once for all of them, yet each query is scored by the rule at its own position: the result is the
+    reference's, row for row, and within rounding of the rows decoded one by one. The pages hold NaN wherever the
+    run's first query may not read, so a query scoring a key with channels its own rule drops shows."""
+    mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
+    queries = [n for _, n in RUNS]
+    pg = random_pages(
+        mask, [n for n, _ in RUNS], q_heads=9, dtype=dtype, fp8=fp8, seed=14, lookback=max(queries) - 1
+    )
+    rp = runs_pages(pg, queries, seed=15)
+    got = run_runs(rp, queries, threads)
+    check(rp, got, 4e-3 if fp8 else TOL[dtype])
+    alone = run_runs(rp, None, threads)
+    torch.testing.assert_close(got.float(), alone.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert not torch.equal(got, alone)  # the shared middle really is another cut of the work
+
+
+def test_runs_give_the_same_bits_at_any_thread_count():
+    """A run's pieces are cut by its lengths alone: 1, 2 and 3 threads agree exactly."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    queries = [4, 1, 8]
+    rp = runs_pages(random_pages(mask, [700, 100, 3000], q_heads=9, seed=16, lookback=7), queries, seed=17)
+    outs = [run_runs(rp, queries, t) for t in (1, 2, 3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    check(rp, outs[0], TOL[torch.float32])
+
+
+def test_a_run_whose_positions_are_not_consecutive_is_refused():
+    """A run is a promise that its rows are one request's consecutive queries; rows that are not get the kernel's
+    bad-argument error, not a result scored over another request's middle."""
+    mask = random_mask(1, 3, 64, [32, 0, 64], **EMBEDDED)
+    pg = random_pages(mask, [700, 705], q_heads=9, seed=18, lookback=4)
+    with pytest.raises(RuntimeError, match="consecutive positions"):
+        run_runs(pg, [2])
+    with pytest.raises(RuntimeError, match="consecutive positions"):  # a run longer than the rows
+        run_runs(dataclasses.replace(pg, q=pg.q[:1]), [2])
+
+
 def test_kernels_decode_runs_the_kernel_on_cpu_and_the_reference_without_it(monkeypatch, caplog):
     """kernels.decode calls the kernel for CPU tensors; without it (no compiler, switched off) it falls back to
     the PyTorch path, warning once."""
@@ -288,6 +361,13 @@ for counts, sizes, heads, d, q_heads, lengths, bs, fp8, wb in [
         scratch.zero_()
         cpu_decode.put(whole.keys[0], whole.values[0], pos, kp, vp)
         assert torch.equal(vp.transpose(1, 2).reshape(-1, heads, d)[:n], whole.values[0])
+# runs of speculative queries (one of the builder's most, 16, at the end of the rows), over the tightest tables
+pg = random_pages(random_mask(1, 3, 64, [32, 0, 64, 7], sink_size=16, recent_size=64, accumu_size=16), [97, 1500],
+                  q_heads=9, extra_block_stride=0, lookback=15)
+rows, lens = torch.tensor([0, 0] + [1] * 16), torch.tensor([96, 97] + list(range(1485, 1501)), dtype=torch.int32)
+args = (pg.q[rows], pg.packed, pg.packed_table[rows], pg.window, pg.window_table[rows], lens, pg.plan, pg.slot, 0.125)
+got = cpu_decode.decode(*args, runs=cpu_decode.runs_of([2, 16]))
+torch.testing.assert_close(got, cpu_decode.decode(*args), atol=1e-5, rtol=1e-5)
 print("asan ok")
 """
 

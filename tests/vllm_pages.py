@@ -63,12 +63,14 @@ def random_pages(
     device: str = "cpu",
     whole_window: bool = False,
     window_block: int | None = None,
+    lookback: int = 0,
 ) -> Pages:
     """Pages holding ``len(lengths)`` requests whose next query is at position ``length - 1`` (already written).
 
     ``whole_window``: every token's rest row in the window pages (a prompt being computed under the
     dense-prompt rule), not only the sink's and the last window's. ``window_block``: tokens per window page (default:
-    the plan's, which :func:`~leank_infer.vllm.pool.fit_blocks` chose; ``block_size``: one block size)."""
+    the plan's, which :func:`~leank_infer.vllm.pool.fit_blocks` chose; ``block_size``: one block size). ``lookback``: rest
+    rows also for the window of the query that many positions before the last (a run of speculative queries)."""
     g = torch.Generator().manual_seed(seed)
     plan = WorkerPlan.build(mask, list(range(mask.num_layers)), block_size=block_size)
     if window_block is not None:
@@ -110,8 +112,8 @@ def random_pages(
         pblocks = free[used : used + per_req[b]]
         used += per_req[b]
         packed_table[b, : per_req[b]] = pblocks.int()
-        rf = positional_recent_from(n - 1, mask.recent_size, mask.accumu_size)
-        first_kept = max(0, n - 1 - (mask.recent_size + mask.accumu_size) + 1) // wbs
+        rf = positional_recent_from(max(0, n - 1 - lookback), mask.recent_size, mask.accumu_size)
+        first_kept = max(0, n - 1 - lookback - (mask.recent_size + mask.accumu_size) + 1) // wbs
         for i in range(per_win[b]):
             if whole_window or i * wbs < mask.sink_size or i >= first_kept:
                 window_table[b, i] = int(free[used])

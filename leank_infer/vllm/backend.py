@@ -147,8 +147,8 @@ class LeanKAttentionMixin:
         bound.write(md.slot_mapping, window_md.slot_mapping, k, v)
         nd = md.num_decodes
         if md.multi is not None:  # the decodes and a few generated queries of other requests, one row each
-            tokens, rows, keys = md.multi
-            out[tokens] = bound.decode(q[tokens], md.block_table[rows], window_md.block_table[rows], keys)
+            tokens, rows, keys, runs = md.multi
+            out[tokens] = bound.decode(q[tokens], md.block_table[rows], window_md.block_table[rows], keys, runs=runs)
         elif nd:
             bound.decode(q[:nd], md.block_table, window_md.block_table, md.seq_lens, out[:nd])
         packed, window, slot, scales = bound.packed, bound.window, bound.slot, bound.scales

@@ -45,6 +45,10 @@ struct Args {  // mirrored by _Args in cpu_decode.py: keep the order
     const int64_t *rk_ch;   // [nkr]: their channels
     const int64_t *rv_col;  // [Hkv]: first column of head h's V in the rest row, -1: its V is in the packed row
     int64_t window_block;   // tokens per window page (block_size is the packed pages')
+    // [B] or NULL (every row alone): runs[b] = q > 1 where rows [b, b + q) are q queries of one request at consecutive
+    // positions over the same block tables (speculative drafts), 0 for the rows after a run's first, 1 elsewhere: the
+    // middle they all score is read once for the q of them
+    const int32_t *runs;
 };
 
 static inline v8 bits_f(v8u u) { return (v8)u; }
@@ -240,7 +244,7 @@ static inline __attribute__((always_inline)) void v_any(int gb, const float *p, 
     }
 }
 
-struct Scratch {  // one thread's buffers, for all Hq query heads of a request
+struct Scratch {  // one thread's buffers, for every query head of a piece's rows (a run's q rows: q Hq)
     float *s, *qf, *qk, *qc, *acc, *m, *l;
     const void **rows, **rows2, **kr, **vr;
     void *F;  // [TILE, D] elements: one KV head's full K rows of a tile, put together (keys_full)
@@ -276,15 +280,15 @@ static inline __attribute__((always_inline)) void fold(const Args &A, int64_t G,
 
 // Keys [a, e) of one request's pages (token pos's row at base + table[pos / bs] * block_stride + (pos % bs) *
 // row) for the KV heads h in heads[0..nh): scores of its G query heads over n[h] channels at column kcol[h]
-// (queries q + h * G * D, rows D apart), values of D channels at column vcol[h], folded tile by tile into the
+// (queries q + h * G * D, rows D apart; G: the query rows of a KV head, G' = q G for a run of q queries), values of D channels at column vcol[h], folded tile by tile into the
 // online softmax of those query heads (S.m, S.l, S.acc). Every head of a tile reads the same 128 rows one
 // after the other: a token's row, a few hundred bytes in a page of its own, is fetched once for all of them.
 template <class L>
 static void keys(const Args &A, const typename L::T *base, int64_t block_stride, int64_t row, const int32_t *table,
                  const int64_t *heads, int64_t nh, const int64_t *kcol, const int64_t *vcol, const int64_t *n,
-                 const float *q, int64_t a, int64_t e, int64_t span_el, Scratch &S) {
+                 const float *q, int64_t a, int64_t e, int64_t span_el, int64_t G, Scratch &S) {
     typedef typename L::T T;
-    const int64_t bs = A.block_size, D = A.D, G = A.Hq / A.Hkv;
+    const int64_t bs = A.block_size, D = A.D;
     const T **rows = (const T **)S.rows, **kr = (const T **)S.kr, **vr = (const T **)S.vr;
     const int64_t span = (int64_t)sizeof(T) * span_el;  // bytes of the layer's columns in a row
     for (int64_t t0 = a; t0 < e; t0 += TILE) {
@@ -370,6 +374,9 @@ struct Item {  // a piece of one request: its full-channel keys (the first piece
     int64_t b, mid_a, mid_e, full, cost;
     int64_t full_from;  // the request's first full recent key, max(sink, rf) (rf: the rule's, computed once in run)
     int64_t part;  // its partial result's slot, -1: writes the output directly (the request has one piece)
+    int64_t nq;      // query rows it scores: 1, or a run's q (rows [b, b + q): a slice of the middle all of them score)
+    int64_t stride;  // slots from one row's partials to the next row's (a run's shared slice)
+    int64_t run;     // the first row of its run, whose counter it counts down (b for a row alone)
 };
 
 static int by_cost(const void *x, const void *y) {
@@ -385,25 +392,35 @@ static inline float q_at(const Args &A, int64_t i) {
 
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
+// Query head qh of row b, scaled (stored K are k / k_scale: the scale rides on q), into qf; its head's kept channels
+// into qk; with qc, the kept channels then the dropped ones (the order keys_full puts a full row in).
+static inline void load_query(const Args &A, int64_t b, int64_t qh, float *qf, float *qk, float *qc) {
+    const int64_t D = A.D, h = qh / (A.Hq / A.Hkv);
+    const double qscale = A.scale * A.k_scale;
+    for (int64_t d = 0; d < D; d++) qf[d] = (float)(q_at(A, (b * A.Hq + qh) * D + d) * qscale);
+    const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
+    for (int64_t c = 0; c < nk; c++) qk[c] = qf[A.k_ch[c0 + c]];
+    if (!qc) return;
+    const int64_t r0 = A.rk_off[h], nr = A.rk_off[h + 1] - r0;
+    for (int64_t c = 0; c < nk; c++) qc[c] = qk[c];
+    for (int64_t c = 0; c < nr; c++) qc[nk + c] = qf[A.rk_ch[r0 + c]];
+}
 
 template <class L>
 static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, float *parts) {
     typedef typename L::T T;
-    const int64_t Hq = A.Hq, G = Hq / A.Hkv, D = A.D, b = it.b;
+    const int64_t Hq = A.Hq, G = Hq / A.Hkv, D = A.D, b = it.b, nq = it.nq, GQ = G * nq;
     const int64_t p = (int64_t)A.seq_lens[b] - 1;
-    const double qscale = A.scale * A.k_scale;  // stored K are k / k_scale: the scale rides on q
-    for (int64_t qh = 0; qh < Hq; qh++) {
-        const int64_t h = qh / G;
-        for (int64_t d = 0; d < D; d++) S.qf[qh * D + d] = (float)(q_at(A, (b * Hq + qh) * D + d) * qscale);
-        const int64_t c0 = A.k_off[h], nk = A.k_off[h + 1] - c0;
-        for (int64_t c = 0; c < nk; c++) S.qk[qh * D + c] = S.qf[qh * D + A.k_ch[c0 + c]];
-        const int64_t r0 = A.rk_off[h], nr = A.rk_off[h + 1] - r0;  // qc: kept channels, then dropped ones
-        for (int64_t c = 0; c < nk; c++) S.qc[qh * D + c] = S.qk[qh * D + c];
-        for (int64_t c = 0; c < nr; c++) S.qc[qh * D + nk + c] = S.qf[qh * D + A.rk_ch[r0 + c]];
-        S.m[qh] = -INFINITY;
-        S.l[qh] = 0.f;
-    }
-    memset(S.acc, 0, sizeof(float) * (size_t)(Hq * D));
+    // state row r = h * GQ + j * G + g: query head h * G + g of row b + j (r = qh for a row alone), so that a KV head's
+    // GQ query rows are adjacent
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t qh = 0; qh < Hq; qh++) {
+            const int64_t r = (qh / G) * GQ + j * G + qh % G;
+            load_query(A, b + j, qh, S.qf + r * D, S.qk + r * D, it.full ? S.qc + r * D : NULL);
+            S.m[r] = -INFINITY;
+            S.l[r] = 0.f;
+        }
+    memset(S.acc, 0, sizeof(float) * (size_t)(nq * Hq * D));
     const T *pk = (const T *)A.packed + A.packed_offset;
     const int32_t *pt = A.packed_table + b * A.packed_table_stride;
     if (it.full) {  // sink [0, min(sink, p + 1)) and recent [max(sink, rf), p]: every channel, packed + rest row
@@ -415,21 +432,21 @@ static void run_item(const Args &A, const Heads &H, const Item &it, Scratch &S, 
     }
     if (it.mid_e > it.mid_a)  // middle: each head's kept channels, packed pages
         keys<L>(A, pk, A.packed_block_stride, A.packed_row, pt, H.mid, H.n_mid, H.mid_k, A.v_col, H.mid_n, S.qk,
-                it.mid_a, it.mid_e, H.mid_span, S);
-    if (it.part < 0) {
+                it.mid_a, it.mid_e, H.mid_span, GQ, S);
+    for (int64_t j = 0; j < nq; j++)
         for (int64_t qh = 0; qh < Hq; qh++) {
-            const float inv = (float)(A.v_scale / S.l[qh]);
-            float *o = A.out + (b * Hq + qh) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = S.acc[qh * D + d] * inv;
+            const int64_t r = (qh / G) * GQ + j * G + qh % G;
+            if (it.part < 0) {
+                const float inv = (float)(A.v_scale / S.l[r]);
+                float *o = A.out + ((b + j) * Hq + qh) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = S.acc[r * D + d] * inv;
+            } else {
+                float *pp = parts + ((it.part + j * it.stride) * Hq + qh) * (D + 2);
+                pp[0] = S.m[r];
+                pp[1] = S.l[r];
+                memcpy(pp + 2, S.acc + r * D, sizeof(float) * (size_t)D);
+            }
         }
-    } else {
-        float *pp = parts + it.part * Hq * (D + 2);
-        for (int64_t qh = 0; qh < Hq; qh++) {
-            pp[qh * (D + 2)] = S.m[qh];
-            pp[qh * (D + 2) + 1] = S.l[qh];
-            memcpy(pp + qh * (D + 2) + 2, S.acc + qh * D, sizeof(float) * (size_t)D);
-        }
-    }
 }
 
 // The k pieces of request b (partials from slot f on), in piece order (so any thread count gives the same
@@ -462,15 +479,33 @@ static int run(const Args &A) {
     const int64_t B = A.B, Hkv = A.Hkv, Hq = A.Hq, D = A.D;
     // Pieces: per request one with its full-channel keys and the first `split` middle keys, then one per further
     // `split` middle keys (whole tiles), each over every KV head; their partial softmax states are merged
-    // (flash-decoding) by the thread that finishes a request's last piece. The cut depends on the lengths alone,
+    // (flash-decoding) by the thread that finishes a request's last piece. A run of q queries of one request
+    // (A.runs) shares the middle its first query scores (the least: the window moves on with the position):
+    // pieces of `split` of those keys score all q queries, and each query has a piece of its own with its
+    // full-channel keys and the few middle keys past the first query's. The cut depends on the lengths alone,
     // never on the thread count: every thread count gives the same bits.
-    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(5 * B + 8 * Hkv + 1));
+    int64_t *buf64 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(6 * B + 8 * Hkv + 1));
     if (!buf64) return 1;
     // per request: its first partial's slot, its pieces, those not yet done, its middle [sink, sink + mid) and its
-    // first full recent key
+    // first full recent key; per row, the length of the run it starts (0 inside one)
     int64_t *first = buf64, *splits = first + B, *left = splits + B, *mids = left + B, *full_from = mids + B;
+    int64_t *runlen = full_from + B;
+    int64_t qmax = 1;
+    for (int64_t b = 0; b < B;) {  // the runs: q rows of consecutive positions, 0 after the first
+        const int64_t q = A.runs ? A.runs[b] : 1;
+        bool ok = q >= 1 && b + q <= B;
+        for (int64_t j = 1; ok && j < q; j++) ok = A.runs[b + j] == 0 && A.seq_lens[b + j] == A.seq_lens[b] + j;
+        if (!ok) {
+            free(buf64);
+            return 2;
+        }
+        runlen[b] = q;
+        for (int64_t j = 1; j < q; j++) runlen[b + j] = 0;
+        qmax = q > qmax ? q : qmax;
+        b += q;
+    }
     Heads H;
-    H.mid = full_from + B, H.rest_k = H.mid + Hkv, H.rest_n = H.rest_k + Hkv;
+    H.mid = runlen + B, H.rest_k = H.mid + Hkv, H.rest_n = H.rest_k + Hkv;
     H.mid_k = H.rest_n + Hkv, H.mid_n = H.mid_k + Hkv;
     H.n_mid = 0;
     int64_t mid_width = 0;  // kept K channels + V channels the middle reads per token
@@ -481,19 +516,30 @@ static int run(const Args &A) {
         H.mid_k[h] = A.k_off[h], H.mid_n[h] = A.k_off[h + 1] - A.k_off[h];
         if (A.v_col[h] >= 0) H.mid[H.n_mid++] = h, mid_width += H.mid_n[h] + D;
     }
-    int64_t n_items = 0, n_parts = 0;
     for (int64_t b = 0; b < B; b++) {
         // the rule (leank_infer/decode/rule.py, positional_recent_from): the query at p = seq_len - 1 scores keys
         // [sink, rf) with the kept channels, [0, sink) and [max(sink, rf), p] with every channel
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
         const int64_t rf = A.accumu * floor_div(p - A.recent, A.accumu);
-        const int64_t mid = H.n_mid && rf > A.sink ? rf - A.sink : 0;
-        const int64_t k = mid > A.split ? (mid + A.split - 1) / A.split : 1;
-        mids[b] = mid, full_from[b] = A.sink > rf ? A.sink : rf;
-        splits[b] = left[b] = k;
-        first[b] = k > 1 ? n_parts : -1;
-        n_items += k;
-        if (k > 1) n_parts += k;
+        mids[b] = H.n_mid && rf > A.sink ? rf - A.sink : 0;
+        full_from[b] = A.sink > rf ? A.sink : rf;
+    }
+    int64_t n_items = 0, n_parts = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q = runlen[b];
+        if (q == 1) {
+            const int64_t mid = mids[b], k = mid > A.split ? (mid + A.split - 1) / A.split : 1;
+            splits[b] = left[b] = k;
+            first[b] = k > 1 ? n_parts : -1;
+            n_items += k;
+            if (k > 1) n_parts += k;
+        } else if (q > 1) {  // a piece per row, and the shared middle's pieces; each row merges 1 + M partials
+            const int64_t M = (mids[b] + A.split - 1) / A.split;
+            splits[b] = 1 + M, left[b] = q + M;
+            first[b] = M ? n_parts : -1;
+            n_items += q + M;
+            if (M) n_parts += q * (1 + M);
+        }
     }
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)n_items);
     float *parts = n_parts ? (float *)malloc(sizeof(float) * (size_t)(n_parts * Hq * (D + 2))) : NULL;
@@ -502,36 +548,59 @@ static int run(const Args &A) {
         return 1;
     }
     int64_t i = 0;
-    for (int64_t b = 0; b < B; b++) {
+    const auto full_keys = [&](int64_t b) {  // full-channel keys of row b: the sink and the recent window
         const int64_t p = (int64_t)A.seq_lens[b] - 1;
-        const int64_t m = mids[b];
-        const int64_t full = (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - full_from[b]);
-        const int64_t k = splits[b];
-        for (int64_t j = 0; j < k; j++) {
-            Item &it = items[i++];
-            it.b = b, it.full = j == 0, it.full_from = full_from[b];
-            it.mid_a = A.sink + j * A.split;
-            it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
-            it.cost = (it.full ? full * 2 * Hkv * D : 0) + (it.mid_e - it.mid_a) * mid_width + 1;
-            it.part = k > 1 ? first[b] + j : -1;
+        return (A.sink < p + 1 ? A.sink : p + 1) + (p + 1 - full_from[b]);
+    };
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q = runlen[b], m = mids[b], k = splits[b];
+        if (q == 1) {
+            for (int64_t j = 0; j < k; j++) {
+                Item &it = items[i++];
+                it.b = b, it.full = j == 0, it.full_from = full_from[b];
+                it.mid_a = A.sink + j * A.split;
+                it.mid_e = j == k - 1 ? A.sink + m : A.sink + (j + 1) * A.split;
+                it.cost = (it.full ? full_keys(b) * 2 * Hkv * D : 0) + (it.mid_e - it.mid_a) * mid_width + 1;
+                it.part = k > 1 ? first[b] + j : -1;
+                it.nq = 1, it.stride = 0, it.run = b;
+            }
+        } else if (q > 1) {
+            for (int64_t j = 0; j < q; j++) {  // row b + j: its full-channel keys, its middle past the first row's
+                Item &it = items[i++];
+                it.b = b + j, it.full = 1, it.full_from = full_from[b + j];
+                it.mid_a = A.sink + m, it.mid_e = A.sink + mids[b + j];
+                it.cost = full_keys(b + j) * 2 * Hkv * D + (it.mid_e - it.mid_a) * mid_width + 1;
+                it.part = k > 1 ? first[b] + j * k : -1;
+                it.nq = 1, it.stride = 0, it.run = b;
+            }
+            for (int64_t j = 0; j + 1 < k; j++) {  // a slice of the shared middle, all q rows
+                Item &it = items[i++];
+                it.b = b, it.full = 0, it.full_from = full_from[b];
+                it.mid_a = A.sink + j * A.split;
+                it.mid_e = j == k - 2 ? A.sink + m : A.sink + (j + 1) * A.split;
+                it.cost = (it.mid_e - it.mid_a) * mid_width * (q + 3) / 4 + 1;  // read once, scored q times
+                it.part = first[b] + 1 + j;
+                it.nq = q, it.stride = k, it.run = b;
+            }
         }
     }
     qsort(items, (size_t)n_items, sizeof(Item), by_cost);  // longest first: dynamic scheduling balances the rest
     int failed = 0;
     int64_t threads = A.threads < n_items ? A.threads : n_items;
     if (threads < 1) threads = 1;
+    const int64_t R = qmax * Hq;  // state rows of the widest piece
 #pragma omp parallel num_threads(threads)
     {
         Scratch S;
-        const size_t nf = (size_t)(Hq * TILE + 4 * Hq * D + 2 * Hq);
+        const size_t nf = (size_t)(R * TILE + 4 * R * D + 2 * R);
         float *buf = (float *)malloc(sizeof(float) * nf + sizeof(float) * (size_t)(TILE * D));  // + S.F (<= 4 B)
         const void **ptrs = (const void **)malloc(sizeof(void *) * 4 * TILE);
         if (!buf || !ptrs) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            S.s = buf, S.qf = S.s + Hq * TILE, S.qk = S.qf + Hq * D, S.acc = S.qk + Hq * D, S.m = S.acc + Hq * D;
-            S.l = S.m + Hq, S.qc = S.l + Hq, S.F = S.qc + Hq * D;
+            S.s = buf, S.qf = S.s + R * TILE, S.qk = S.qf + R * D, S.acc = S.qk + R * D, S.m = S.acc + R * D;
+            S.l = S.m + R, S.qc = S.l + R, S.F = S.qc + R * D;
             S.rows = ptrs, S.rows2 = ptrs + TILE, S.kr = ptrs + 2 * TILE, S.vr = ptrs + 3 * TILE;
         }
 #pragma omp for schedule(dynamic, 1) nowait
@@ -541,8 +610,9 @@ static int run(const Args &A) {
             run_item<L>(A, H, it, S, parts);
             // the last piece of a request to finish merges them, no barrier: the counter's acquire-release makes every
             // other piece's partial visible to it, and exactly one piece sees the count reach 0 (one writer per output)
-            if (it.part >= 0 && __atomic_sub_fetch(&left[it.b], 1, __ATOMIC_ACQ_REL) == 0)
-                merge(A, it.b, splits[it.b], first[it.b], parts);
+            if (it.part >= 0 && __atomic_sub_fetch(&left[it.run], 1, __ATOMIC_ACQ_REL) == 0)
+                for (int64_t r = 0; r < runlen[it.run]; r++)
+                    merge(A, it.run + r, splits[it.run], first[it.run] + r * splits[it.run], parts);
         }
         free(buf);
         free(ptrs);

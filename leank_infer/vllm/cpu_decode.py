@@ -95,6 +95,7 @@ class _Args(ctypes.Structure):
         ("rk_ch", ctypes.c_void_p),
         ("rv_col", ctypes.c_void_p),
         ("window_block", ctypes.c_int64),
+        ("runs", ctypes.c_void_p),
     ]
 
 
@@ -479,11 +480,13 @@ def decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8: torch.dtype | None = None,
+    runs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LeanK attention ``[B, Hq, D]`` (q's dtype) of one new query per request, its K/V already in the pages;
-    the arguments of :func:`leank_infer.vllm.kernels.decode`. Needs :func:`available` and :func:`supports`."""
+    """LeanK attention ``[B, Hq, D]`` (q's dtype) of one new query per row, its K/V already in the pages;
+    the arguments of :func:`leank_infer.vllm.kernels.decode`, and ``runs`` as :meth:`LayerKernel.decode` takes it.
+    Needs :func:`available` and :func:`supports`."""
     return LayerKernel(slot, packed, window, plan, scale, k_scale, v_scale, fp8).decode(
-        q, packed_table, window_table, seq_lens
+        q, packed_table, window_table, seq_lens, runs=runs
     )
 
 
@@ -548,11 +551,20 @@ class LayerKernel:
         window_table: torch.Tensor,
         seq_lens: torch.Tensor,
         out: torch.Tensor | None = None,
+        runs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention ``[B, Hq, D]`` of one new query per request (B = ``q.shape[0]``: the tables and lengths may
-        have more rows, the first B are read), into ``out`` when given (else a new tensor of q's dtype)."""
+        """Attention ``[B, Hq, D]`` of one new query per row (B = ``q.shape[0]``: the tables and lengths may
+        have more rows, the first B are read), into ``out`` when given (else a new tensor of q's dtype).
+
+        ``runs`` (int32 ``[B]``, optional): rows ``[b, b + n)`` with ``runs[b] = n > 1`` and 0 after are ``n`` queries
+        of one request at consecutive positions, over the same tables (speculative drafts); 1 marks a row alone. The
+        keys all of them score with the kept channels are then read once for the ``n`` (:func:`runs_of`)."""
         b, hq, d = q.shape
         a = _Args.from_buffer_copy(self._decode)
+        if runs is not None:
+            if runs.dtype != torch.int32 or not runs.is_contiguous() or runs.numel() < b:
+                raise ValueError(f"runs must be int32, contiguous, one per row ({b}), got {runs.dtype} {tuple(runs.shape)}")
+            a.runs = runs.data_ptr()
         q = q if q.is_contiguous() else q.contiguous()
         packed_table, window_table = _table(packed_table), _table(window_table)
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
@@ -567,9 +579,21 @@ class LayerKernel:
         a.threads = torch.get_num_threads()
         rc = LIBRARY.lib.leank_cpu_decode(ctypes.byref(a))
         if rc:
-            raise RuntimeError(f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments)")
+            raise RuntimeError(
+                f"the LeanK CPU decode kernel failed (code {rc}: 1 out of memory, 2 bad arguments: a run's rows must be "
+                "consecutive positions)"
+            )
         if out is None:
             return res if q.dtype == torch.float32 else res.to(q.dtype)
         if not direct:
             out.copy_(res)
         return out
+
+
+def runs_of(lengths: list[int]) -> torch.Tensor:
+    """The ``runs`` argument of :meth:`LayerKernel.decode` for rows in groups of ``lengths`` (one request's consecutive
+    queries each; 1: a row alone)."""
+    out: list[int] = []
+    for n in lengths:
+        out += [n] + [0] * (n - 1)
+    return torch.tensor(out, dtype=torch.int32)

@@ -258,11 +258,13 @@ class BoundLayer:
 
     def decode(
         self, q: torch.Tensor, packed_table: torch.Tensor, window_table: torch.Tensor, seq_lens: torch.Tensor,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, runs: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """:func:`decode` of the first B = ``q.shape[0]`` rows of the tables, into ``out`` ``[B, Hq, D]`` if given."""
+        """:func:`decode` of the first B = ``q.shape[0]`` rows of the tables, into ``out`` ``[B, Hq, D]`` if given.
+        ``runs`` marks rows that are one request's consecutive queries (:meth:`.cpu_decode.LayerKernel.decode`): the CPU
+        kernel reads their shared middle once; elsewhere each row is decoded alone, with the same result."""
         if self.cpu is not None and cpu_decode.available():
-            return self.cpu.decode(q, packed_table, window_table, seq_lens, out)
+            return self.cpu.decode(q, packed_table, window_table, seq_lens, out, runs)
         b = q.shape[0]
         got = decode(
             q, self.packed, packed_table[:b], self.window, window_table[:b], seq_lens[:b], self.plan, self.slot,

@@ -53,8 +53,9 @@ class LeanKMetadata:
     # requests with a few generated queries (speculative decoding's drafts, a short run of generated tokens
     # recomputed): the batched decode runs them too, one row per query, each over its request's pages up to its
     # own position (the rule depends on the position only). ``None`` when the step has none; else the rows'
-    # (token index, request row, keys) for every decode row, the one-token decodes first
-    multi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (token index, request row, keys, runs) for every decode row, the one-token decodes first; ``runs`` (host int32)
+    # marks each request's rows as one run, so the CPU kernel reads the middle they share once
+    multi: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # on vLLM's CPU build, the extends' prompt queries laid out for vLLM's own CPU attention (one call per layer for
     # all of them: :mod:`~leank_infer.vllm.cpu_prefill`); ``None`` elsewhere or when the step has none
     prompts: PromptBatch | None = None
@@ -171,21 +172,24 @@ def worker_plan(vllm_config: Any) -> WorkerPlan | None:
 
 def _multi_rows(
     num_decodes: int, few: list[tuple[int, int, int, int, int]], seq_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, request row, keys) of every decode row: the one-token decodes, then one row per query of ``few``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, request row, keys, runs) of every decode row: the one-token decodes, then one row per query of ``few``,
+    each request's rows one run (:func:`~leank_infer.vllm.cpu_decode.runs_of`).
 
     A query ``back`` tokens before its request's last one sees ``seq_len - back`` keys, taken from the exact
     ``seq_lens`` on the device: the host's upper bound (vLLM's ``seq_lens_cpu_upper_bound``) assumes every draft of an
     asynchronously scheduled speculative step was accepted."""
-    tokens, rows, back = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes
+    tokens, rows, back, runs = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes, [1] * num_decodes
     for row, start, _, end, _ in few:
         tokens += range(start, end)
         rows += [row] * (end - start)
         back += range(end - 1 - start, -1, -1)
+        runs += [end - start] + [0] * (end - start - 1)
     device = seq_lens.device
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)
     keys = seq_lens.index_select(0, rows_t) - torch.tensor(back, dtype=seq_lens.dtype, device=device)
-    return torch.tensor(tokens, dtype=torch.long, device=device), rows_t, keys.to(torch.int32)
+    tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+    return tokens_t, rows_t, keys.to(torch.int32), torch.tensor(runs, dtype=torch.int32)
 
 
 class StoreBackend(AttentionBackend):

@@ -3,7 +3,8 @@ step, and each is scored under the rule at its own position, in the batched deco
 
 Greedy output with speculation must equal greedy output without it, which ``LeanKModel.generate`` gives (the other
 tests hold vLLM without speculation to it), token for token; the drafts must be accepted now and then (else the
-multi-query rows were never checked) and must have gone through the batched decode.
+multi-query rows were never checked) and must have gone through the batched decode, as runs of the CPU kernel (a
+request's queries reading the middle they share once).
 """
 
 from __future__ import annotations
@@ -34,13 +35,22 @@ job = json.load(sys.stdin)
 seen = []  # steps whose batched decode took several queries of one request
 multi_rows = stores._multi_rows
 stores._multi_rows = lambda *a: seen.append(len(a[1])) or multi_rows(*a)
+from leank_infer.vllm import cpu_decode
+runs_seen = []  # runs of several queries the CPU kernel was handed
+decode = cpu_decode.LayerKernel.decode
+def counted(self, *a, **k):
+    runs = a[5] if len(a) > 5 else k.get("runs")
+    if runs is not None and int(runs.max()) > 1:
+        runs_seen.append(1)
+    return decode(self, *a, **k)
+cpu_decode.LayerKernel.decode = counted
 llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, speculative_config=job["spec"],
           enforce_eager=True, disable_log_stats=False, **job["engine"])
 params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
 accepted = [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"]
 print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "accepted": accepted[0],
-                              "seen": len(seen)}), flush=True)
+                              "seen": len(seen), "runs": len(runs_seen)}), flush=True)
 """
 
 
@@ -58,6 +68,7 @@ def test_ngram_speculation_gives_leank_models_greedy_tokens(model_dir, tokenizer
     assert got["tokens"] == reference_tokens(prompts, NEW_TOKENS)
     assert got["accepted"] > 0, "no draft was accepted: the prompts no longer exercise speculation"
     assert got["seen"], "the drafts never went through the batched decode"
+    assert got["runs"], "the drafts never reached the CPU kernel as runs"
 
 
 def test_draft_rows_count_their_keys_from_the_exact_lengths():
@@ -71,7 +82,9 @@ def test_draft_rows_count_their_keys_from_the_exact_lengths():
     # two one-token decodes, then request 2 with queries [2, 5) and request 3 with [5, 7) (no prompt query: split at
     # the first); the extends' ``cached`` (field 4) is the host's optimistic count and must not be used
     few = [(2, 2, 2, 5, 999), (3, 5, 5, 7, 999)]
-    tokens, rows, keys = _multi_rows(2, few, seq_lens)
+    tokens, rows, keys, runs = _multi_rows(2, few, seq_lens)
     assert tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert rows.tolist() == [0, 1, 2, 2, 2, 3, 3]
     assert keys.tolist() == [50, 70, 88, 89, 90, 119, 120]
+    # each request's queries are one run for the CPU kernel (it reads the middle they share once)
+    assert runs.tolist() == [1, 1, 3, 0, 0, 2, 0] and runs.dtype == torch.int32 and runs.device.type == "cpu"
