@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_kernel.py [--batches 1,4,16,64] [--contexts 2048,8192]
         [--threads 1,2] [--mask hub/smollm2-135m-instruct-s3] [--memory-gb 3] [--gather 3000]
-        [--prompt 4x512@2560,1x3000@0]
+        [--prompt 4x512@2560,1x3000@0] [--drafts 4x4@2048,...]
 
 The equal-work comparison: the embedded SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, fp32), every
 request at the same context, the same batch and the same threads (``torch.set_num_threads``), one decode step =
@@ -23,6 +23,9 @@ streams every layer's K/V once, so nothing stays in cache from one call of a lay
 - **prompt step** (``--prompt BxC@N,...``): the prompt attention of a step of ``B`` chunks of ``C`` queries after
   ``N`` prompt tokens each, every layer: plain vLLM's, the plugin's on the CPU build (its page write included)
   (:func:`leank_infer.vllm.cpu_prefill.attend`) and the per-request SDPA path (:func:`prompt_times`).
+- **speculative step** (``--drafts BxQ@C,...``, alone): ``B`` requests of ``C`` tokens each scoring ``Q`` queries
+  (its token and its drafts): vLLM's kernel over causal chunks, LeanK's decode with a row per query, each alone and
+  each request's rows as one run (:func:`draft_times`).
 - **prompt gather** (``--gather N``): the dense K/V a prompt chunk after ``N`` prompt tokens reads under the
   dense-prompt rule, every layer, PyTorch's gather against the library's (:func:`leank_infer.vllm.kernels.prompt_kv`).
 
@@ -81,8 +84,9 @@ def alternate(sides: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
-    """vLLM's CPU decode attention over dense pages of ``batch`` requests of ``context`` tokens, as a closure."""
+def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator, queries: int = 1):
+    """vLLM's CPU decode attention over dense pages of ``batch`` requests of ``context`` tokens, as a closure
+    (``queries`` > 1: each request's last ``queries`` positions, causal, as vLLM scores speculative drafts)."""
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -93,10 +97,10 @@ def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
     table = (torch.randperm(n_blocks - 1, generator=g)[: batch * per_req] + 1).view(batch, per_req).int()
     kv = torch.randn(n_blocks, hkv, bs, 2 * d, generator=g)
     key_cache, value_cache = kv.view(n_blocks, hkv, 2 * bs, d).chunk(2, dim=2)
-    q = torch.randn(batch, HQ, d, generator=g)
+    q = torch.randn(batch * queries, HQ, d, generator=g)
     out = torch.empty_like(q)
     threads = [0]
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32) * queries
     seq = torch.full((batch,), context, dtype=torch.int32)
     isa = _get_attn_isa(torch.float32, bs, d, "auto")
     sched = None
@@ -120,10 +124,10 @@ def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator):
     return call, isa
 
 
-def leank_pages(plan, batch: int, context: int, g: torch.Generator):
+def leank_pages(plan, batch: int, context: int, g: torch.Generator, lookback: int = 0):
     """The packed and window stores' caches (random, finite; ``[blocks, 1, block_size, row]`` as vLLM binds
     them, at the plan's block sizes) of ``batch`` requests of ``context`` tokens, shuffled blocks, with their block
-    tables."""
+    tables (``lookback``: the window pages also cover the window of the query that many positions back)."""
     bs = plan.block_size
     per_req = -(-context // bs)
     n_blocks = batch * per_req + 1
@@ -133,13 +137,42 @@ def leank_pages(plan, batch: int, context: int, g: torch.Generator):
     # block 0 elsewhere)
     p, wbs = context - 1, plan.window_block
     per_win = -(-context // wbs)
-    keep = [i for i in range(per_win) if i * wbs < plan.sink or (i + 1) * wbs > p - plan.window]
+    keep = [i for i in range(per_win) if i * wbs < plan.sink or (i + 1) * wbs > p - lookback - plan.window]
     w_blocks = batch * len(keep) + 1
     window = torch.randn(w_blocks, 1, wbs, plan.window_row, generator=g)
     wtable = torch.zeros(batch, per_win, dtype=torch.int32)
     ids = torch.randperm(w_blocks - 1, generator=g) + 1
     wtable[:, keep] = ids[: batch * len(keep)].view(batch, len(keep)).int()
     return packed, table, window, wtable
+
+
+def draft_times(plan, layers: list[int], batch: int, queries: int, context: int, g: torch.Generator) -> dict:  # noqa: ANN001
+    """One speculative step's attention, every layer: ``batch`` requests of ``context`` tokens, each scoring its last
+    ``queries`` positions (its token and its drafts). vLLM's kernel takes them as causal chunks; LeanK's decode takes
+    a row per query, each row alone (every query reads its middle) and as one run per request (the middle they
+    share read once: ``runs``)."""
+    from leank_infer.vllm import cpu_decode
+
+    hkv, d = plan.num_kv_heads, plan.head_dim
+    vcall, _ = vllm_call(batch, context, hkv, d, g, queries)
+    packed, table, window, wtable = leank_pages(plan, batch, context, g, lookback=queries - 1)
+    rows = torch.arange(batch).repeat_interleave(queries)
+    seq = (torch.full((batch * queries,), context) - torch.arange(queries - 1, -1, -1).repeat(batch)).int()
+    q = torch.randn(batch * queries, HQ, d, generator=g)
+    leank = [
+        cpu_decode.LayerKernel(s.in_view(), s.packed_view(packed), s.window_view(window), plan, d**-0.5)
+        for s in (plan.slots[i] for i in layers)
+    ]
+    alone = (q, table[rows], wtable[rows], seq)
+    runs = cpu_decode.runs_of([queries] * batch)
+    steps = {
+        "vllm": lambda: [vcall() for _ in layers],
+        "alone": lambda: [layer.decode(*alone) for layer in leank],
+        "runs": lambda: [layer.decode(*alone, runs=runs) for layer in leank],
+    }
+    med = alternate(steps, 7)
+    return dict(batch=batch, queries=queries, context=context, threads=torch.get_num_threads(),
+                **{f"{k}_ms": v for k, v in med.items()})  # fmt: skip
 
 
 def gather_times(plan, layers: list[int], n: int, g: torch.Generator) -> tuple[float, float]:  # noqa: ANN001
@@ -261,6 +294,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt", default="4x512@2560,1x3000@0",
                    help="also time prompt steps: BATCH x CHUNK queries after CACHED prompt tokens each, comma-separated "
                    "('': no)")
+    p.add_argument("--drafts", default="",
+                   help="BxQ@C,...: instead, one speculative step of B requests of C tokens scoring Q queries each "
+                        "(saved as vllm-kernel-drafts)")  # fmt: skip
     p.add_argument("--save", action="store_true", help="write the table to docs/results/vllm-kernel.json")
     args = p.parse_args(argv)
     from leank_infer.mask import ChannelMask
@@ -285,6 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{len(layers)} layers, packed row {plan.packed_row * 4} B; LeanK blocks of {plan.block_size} (packed) and "
         f"{plan.window_block} (window)"
     )
+    if args.drafts:
+        return drafts(args, plan, layers, g)
     print(f"{'batch':>5} {'ctx':>6} {'thr':>3} | {'vLLM ms':>8} | {'LeanK ms':>8} {'x':>5}")
     budget = args.memory_gb * 2**30
     for context in [int(x) for x in args.contexts.split(",")]:
@@ -381,6 +419,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
         import results
 
         print(f"saved {results.save('vllm-kernel', chr(10).join(lines))}")
+    return rows
+
+
+def drafts(args: argparse.Namespace, plan, layers: list[int], g: torch.Generator) -> list[dict]:  # noqa: ANN001
+    """The ``--drafts`` table: :func:`draft_times` for each size and thread count."""
+    rows = []
+    print(f"{'step':>14} {'thr':>3} | {'vLLM ms':>8} | {'alone ms':>8} {'runs ms':>8}")
+    for spec in filter(None, args.drafts.split(",")):
+        shape, context = spec.split("@")
+        batch, queries = (int(x) for x in shape.split("x"))
+        for threads in [int(x) for x in args.threads.split(",")]:
+            torch.set_num_threads(threads)
+            r = draft_times(plan, layers, batch, queries, int(context), g)
+            rows.append(r)
+            print(f"{spec:>14} {threads:>3} | {r['vllm_ms']:>8.1f} | {r['alone_ms']:>8.1f} {r['runs_ms']:>8.1f}", flush=True)
+    lines = [
+        f"One speculative step's attention ({len(layers)} layer calls), mask {Path(args.mask).name}, fp32: requests x "
+        "queries per request (its token and its drafts) at a context, milliseconds (CPU time of the thread on 1 thread, "
+        "wall time on more). vLLM: its CPU kernel, the queries as causal chunks; LeanK: its decode kernel, a row per "
+        "query, each row alone or each request's rows as one run (the middle they share read once).",
+        "",
+        "| step | threads | vLLM (ms) | LeanK, rows alone (ms) | LeanK, runs (ms) | runs / alone | runs / vLLM |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['batch']} x {r['queries']} at {r['context']:,} | {r['threads']} | {r['vllm_ms']:.1f} | "
+            f"{r['alone_ms']:.1f} | {r['runs_ms']:.1f} | {r['runs_ms'] / r['alone_ms']:.2f} | "
+            f"{r['runs_ms'] / r['vllm_ms']:.2f} |"
+            for r in rows
+        ),
+    ]
+    if args.save:
+        import results
+
+        print(f"saved {results.save('vllm-kernel-drafts', chr(10).join(lines))}")
     return rows
 
 

@@ -9,8 +9,10 @@ gets the same ``--batch`` prompts of about ``--context`` tokens (Python document
 repeat its first paragraph: text the n-gram drafter can find in the prompt), computes them once (not timed,
 ``max_tokens=1``), then generates ``--new-tokens`` greedy tokens per request over the cached prompts (timed: the
 prompt is a prefix-cache hit, so the time is decode). Reported per side: generated tokens per second (the
-fastest of the repeats), the speed-up speculation gives, the share of draft tokens accepted, and whether the
-greedy tokens with speculation equal those without. The last thing printed is a markdown table.
+fastest of the repeats), the speed-up speculation gives, the share of draft tokens accepted, the engine's steps and
+its time per step, and whether the greedy tokens with speculation equal those without; then, per request, the share
+of its greedy output's 3-grams found in its prompt (n-gram drafts come from the prompt, so a side whose output copies
+less gets fewer drafts and more steps). The last thing printed is a markdown table.
 """
 
 from __future__ import annotations
@@ -45,8 +47,18 @@ def prompts(context: int, batch: int) -> list[list[int]]:
 
 
 def _counters(llm) -> dict:  # noqa: ANN001
+    """The draft counters, and the engine's steps (the count of its tokens-per-iteration histogram)."""
     wanted = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
-    return {m.name: m.value for m in llm.get_metrics() if m.name in wanted}
+    got = {m.name: m.value for m in llm.get_metrics() if m.name in wanted}
+    got["steps"] = sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total")
+    return got
+
+
+def copied(prompt: list[int], out: list[int], n: int = 3) -> float:
+    """The share of the output's ``n``-grams found in its prompt: what an n-gram drafter can propose from."""
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    outs = [tuple(out[i : i + n]) for i in range(len(out) - n + 1)]
+    return sum(g in grams for g in outs) / max(1, len(outs))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -78,6 +90,7 @@ def child(args: argparse.Namespace) -> None:
     )
     print("RESULT " + json.dumps({
         "tok_s": args.batch * args.new_tokens / seconds, "drafts": drafts, "accepted": accepted,
+        "steps": after["steps"] - before["steps"], "seconds": seconds,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }), flush=True)  # fmt: skip
 
@@ -142,8 +155,8 @@ def main() -> None:
         f"{args.repeats} fresh engines per row, the four alternating.",
         "",
         "| engine | speculation | tokens/s | vs plain, same speculation | speed-up from speculation "
-        "| drafts accepted | same tokens as without |",
-        "|---|---|---|---|---|---|---|",
+        "| drafts accepted | engine steps | ms per step | same tokens as without |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in sides:
         for spec in (0, args.spec_tokens):
@@ -154,7 +167,13 @@ def main() -> None:
             )
             same = ("yes" if rec["tokens"] == base["tokens"] else "NO") if spec else "-"
             lines.append(f"| {name} | {spec or 'off'} | {rec['tok_s']:.1f} | {vs:.2f}x | "
-                         f"{rec['tok_s'] / base['tok_s']:.2f}x | {acc} | {same} |")  # fmt: skip
+                         f"{rec['tok_s'] / base['tok_s']:.2f}x | {acc} | {rec['steps']} | "
+                         f"{1e3 * rec['seconds'] / max(1, rec['steps']):.1f} | {same} |")  # fmt: skip
+    asked = prompts(args.context, args.batch)
+    lines += ["", "Share of each request's greedy 3-grams found in its prompt (what n-gram drafts can propose from): "
+              + "; ".join(f"{name} " + ", ".join(f"{copied(p, o):.0%}" for p, o in zip(asked, best[(name, 0)]["tokens"],
+                                                                                    strict=True))
+                          for name in sides) + "."]  # fmt: skip
     print("\n" + "\n".join(lines))
     if args.save:
         print(f"saved {results.save('vllm-speculative', chr(10).join(lines))}")

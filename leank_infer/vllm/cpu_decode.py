@@ -7,7 +7,11 @@ the packed rows, both through the block tables, with no gather. The work is cut 
 with its full-channel keys and the first ``SPLIT`` middle keys, then one per further ``SPLIT`` middle keys (so a
 batch of one long request still keeps every thread busy); every piece covers all the KV heads of its keys, so
 each token's row (a few hundred bytes of the layer in a 17 KB row of all layers, a page of its own) is fetched
-once for all heads: measured 5-15 % faster than one piece per (request, KV head) on these pages. Pieces run
+once for all heads: measured 5-15 % faster than one piece per (request, KV head) on these pages. A *run* of rows
+(one request's speculative queries at consecutive positions, ``runs``) shares the pieces of the middle its first
+query scores, each scoring every query of the run, and each query gets a piece of its own for its full-channel keys
+and the few middle keys past the first query's window (0.67-0.86x the time of the rows alone:
+``benchmarks/vllm_kernel.py --drafts``). Pieces run
 longest first on the engine's threads (OpenMP, ``torch.get_num_threads()``, which vLLM's CPU worker sets and
 binds); the last piece of a request to finish merges the request's softmax states, as in flash-decoding. The
 cut depends on the lengths only, so the result is the same to the bit at any thread count. Within a piece the
