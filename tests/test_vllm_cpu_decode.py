@@ -209,8 +209,9 @@ RUNS = [(9, 3), (80, 4), (97, 2), (113, 4), (700, 4), (1500, 1), (1504, 5), (300
 def test_a_run_of_drafts_scores_each_query_by_its_own_position(dtype, fp8, threads):
     """Rows marked as a run (speculative drafts: one request's queries at consecutive positions) read the middle they
     share once for all of them, yet each query is scored by the rule at its own position: the result is the
-    reference's, row for row, and within rounding of the rows decoded one by one. The pages hold NaN wherever the
-    run's first query may not read, so a query scoring a key with channels its own rule drops shows."""
+    reference's, row for row, and within rounding of the rows decoded one by one. The pages hold NaN wherever no query
+    of the run may read every channel (before the first query's window), so a stray read there shows as NaN; a later
+    query scoring keys between the first query's window and its own with every channel shows as a mismatch."""
     mask = random_mask(2, 3, 64, [32, 0, 64, 7], seed=1, **EMBEDDED)
     queries = [n for _, n in RUNS]
     pg = random_pages(
@@ -243,6 +244,14 @@ def test_a_run_whose_positions_are_not_consecutive_is_refused():
         run_runs(pg, [2])
     with pytest.raises(RuntimeError, match="consecutive positions"):  # a run longer than the rows
         run_runs(dataclasses.replace(pg, q=pg.q[:1]), [2])
+    pg = dataclasses.replace(pg, seq_lens=torch.tensor([700, 701], dtype=torch.int32))
+    for runs in ([0, 0], [2, 1], [-1, 0]):  # no run at a run's start, a second start inside a run
+        with pytest.raises(RuntimeError, match="consecutive positions"):
+            cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
+                              pg.slot, 0.125, runs=torch.tensor(runs, dtype=torch.int32))
+    with pytest.raises(ValueError, match="runs must be int32"):
+        cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot,
+                          0.125, runs=torch.tensor([2, 0]))
 
 
 def test_kernels_decode_runs_the_kernel_on_cpu_and_the_reference_without_it(monkeypatch, caplog):

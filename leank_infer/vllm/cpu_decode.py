@@ -566,8 +566,11 @@ class LayerKernel:
         b, hq, d = q.shape
         a = _Args.from_buffer_copy(self._decode)
         if runs is not None:
-            if runs.dtype != torch.int32 or not runs.is_contiguous() or runs.numel() < b:
-                raise ValueError(f"runs must be int32, contiguous, one per row ({b}), got {runs.dtype} {tuple(runs.shape)}")
+            if runs.dtype != torch.int32 or runs.device.type != "cpu" or not runs.is_contiguous() or runs.numel() < b:
+                raise ValueError(
+                    f"runs must be int32 on the CPU, contiguous, one per row ({b}), got {runs.dtype} on {runs.device} "
+                    f"{tuple(runs.shape)}"
+                )
             a.runs = runs.data_ptr()
         q = q if q.is_contiguous() else q.contiguous()
         packed_table, window_table = _table(packed_table), _table(window_table)
