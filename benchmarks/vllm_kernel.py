@@ -124,6 +124,12 @@ def vllm_call(batch: int, context: int, hkv: int, d: int, g: torch.Generator, qu
     return call, isa
 
 
+def vllm_copies(tokens: int, hkv: int, d: int, layers: int, budget: float) -> int:
+    """How many copies of vLLM's fp32 pages for ``tokens`` tokens the layers cycle over: one per layer where
+    ``budget`` bytes allow, so that a layer's call does not find the last one's K/V in cache, as in the engine."""
+    return int(max(1, min(layers, budget // (tokens * 2 * hkv * d * 4))))
+
+
 def leank_pages(plan, batch: int, context: int, g: torch.Generator, lookback: int = 0):
     """The packed and window stores' caches (random, finite; ``[blocks, 1, block_size, row]`` as vLLM binds
     them, at the plan's block sizes) of ``batch`` requests of ``context`` tokens, shuffled blocks, with their block
@@ -146,15 +152,19 @@ def leank_pages(plan, batch: int, context: int, g: torch.Generator, lookback: in
     return packed, table, window, wtable
 
 
-def draft_times(plan, layers: list[int], batch: int, queries: int, context: int, g: torch.Generator) -> dict:  # noqa: ANN001
+def draft_times(
+    plan, layers: list[int], batch: int, queries: int, context: int, g: torch.Generator, budget: float, steps: int  # noqa: ANN001
+) -> dict:
     """One speculative step's attention, every layer: ``batch`` requests of ``context`` tokens, each scoring its last
-    ``queries`` positions (its token and its drafts). vLLM's kernel takes them as causal chunks; LeanK's decode takes
-    a row per query, each row alone (every query reads its middle) and as one run per request (the middle they
-    share read once: ``runs``)."""
+    ``queries`` positions (its token and its drafts). vLLM's kernel takes them as causal chunks, over as many copies of
+    its pages as ``budget`` bytes allow (as in the decode table: a layer's call should not find the last one's K/V in
+    cache); LeanK's decode takes a row per query, each row alone (every query reads its middle) and as one run per
+    request (the middle they share read once: ``runs``)."""
     from leank_infer.vllm import cpu_decode
 
     hkv, d = plan.num_kv_heads, plan.head_dim
-    vcall, _ = vllm_call(batch, context, hkv, d, g, queries)
+    copies = vllm_copies(batch * context, hkv, d, len(layers), budget)
+    vcalls = [vllm_call(batch, context, hkv, d, g, queries)[0] for _ in range(copies)]
     packed, table, window, wtable = leank_pages(plan, batch, context, g, lookback=queries - 1)
     rows = torch.arange(batch).repeat_interleave(queries)
     seq = (torch.full((batch * queries,), context) - torch.arange(queries - 1, -1, -1).repeat(batch)).int()
@@ -165,12 +175,12 @@ def draft_times(plan, layers: list[int], batch: int, queries: int, context: int,
     ]
     alone = (q, table[rows], wtable[rows], seq)
     runs = cpu_decode.runs_of([queries] * batch)
-    steps = {
-        "vllm": lambda: [vcall() for _ in layers],
+    sides = {
+        "vllm": lambda: [vcalls[j % copies]() for j in range(len(layers))],
         "alone": lambda: [layer.decode(*alone) for layer in leank],
         "runs": lambda: [layer.decode(*alone, runs=runs) for layer in leank],
     }
-    med = alternate(steps, 7)
+    med = alternate(sides, steps)
     return dict(batch=batch, queries=queries, context=context, threads=torch.get_num_threads(),
                 **{f"{k}_ms": v for k, v in med.items()})  # fmt: skip
 
@@ -332,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for threads in [int(x) for x in args.threads.split(",")]:
                     print(f"{batch:>5} {context:>6} {threads:>3} | {'-':>8} | {'-':>8}")
                 continue
-            copies = int(max(1, min(len(layers), budget // (tokens * 2 * hkv * d * 4))))
+            copies = vllm_copies(tokens, hkv, d, len(layers), budget)
             vcalls = [vllm_call(batch, context, hkv, d, g) for _ in range(copies)]
             isa = vcalls[0][1]
             q = torch.randn(batch, HQ, d, generator=g)
@@ -431,7 +441,7 @@ def drafts(args: argparse.Namespace, plan, layers: list[int], g: torch.Generator
         batch, queries = (int(x) for x in shape.split("x"))
         for threads in [int(x) for x in args.threads.split(",")]:
             torch.set_num_threads(threads)
-            r = draft_times(plan, layers, batch, queries, int(context), g)
+            r = draft_times(plan, layers, batch, queries, int(context), g, args.memory_gb * 2**30, args.steps)
             rows.append(r)
             print(f"{spec:>14} {threads:>3} | {r['vllm_ms']:>8.1f} | {r['alone_ms']:>8.1f} {r['runs_ms']:>8.1f}", flush=True)
     lines = [

@@ -249,9 +249,10 @@ def test_a_run_whose_positions_are_not_consecutive_is_refused():
         with pytest.raises(RuntimeError, match="consecutive positions"):
             cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
                               pg.slot, 0.125, runs=torch.tensor(runs, dtype=torch.int32))
-    with pytest.raises(ValueError, match="runs must be int32"):
-        cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan, pg.slot,
-                          0.125, runs=torch.tensor([2, 0]))
+    for runs in (torch.tensor([2, 0]), torch.tensor([2, 0], dtype=torch.int32, device="meta")):  # int64; off the CPU
+        with pytest.raises(ValueError, match="runs must be int32 on the CPU"):
+            cpu_decode.decode(pg.q, pg.packed, pg.packed_table, pg.window, pg.window_table, pg.seq_lens, pg.plan,
+                              pg.slot, 0.125, runs=runs)
 
 
 def test_kernels_decode_runs_the_kernel_on_cpu_and_the_reference_without_it(monkeypatch, caplog):

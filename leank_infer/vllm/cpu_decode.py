@@ -10,7 +10,7 @@ each token's row (a few hundred bytes of the layer in a 17 KB row of all layers,
 once for all heads: measured 5-15 % faster than one piece per (request, KV head) on these pages. A *run* of rows
 (one request's speculative queries at consecutive positions, ``runs``) shares the pieces of the middle its first
 query scores, each scoring every query of the run, and each query gets a piece of its own for its full-channel keys
-and the few middle keys past the first query's window (0.67-0.86x the time of the rows alone:
+and the few middle keys past the first query's window (0.64-0.84x the time of the rows alone:
 ``benchmarks/vllm_kernel.py --drafts``). Pieces run
 longest first on the engine's threads (OpenMP, ``torch.get_num_threads()``, which vLLM's CPU worker sets and
 binds); the last piece of a request to finish merges the request's softmax states, as in flash-decoding. The

@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from .cpu_decode import runs_of
 from .cpu_prefill import PromptBatch, plan_prompts
 from .pool import WorkerPlan
 
@@ -179,17 +180,16 @@ def _multi_rows(
     A query ``back`` tokens before its request's last one sees ``seq_len - back`` keys, taken from the exact
     ``seq_lens`` on the device: the host's upper bound (vLLM's ``seq_lens_cpu_upper_bound``) assumes every draft of an
     asynchronously scheduled speculative step was accepted."""
-    tokens, rows, back, runs = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes, [1] * num_decodes
+    tokens, rows, back = list(range(num_decodes)), list(range(num_decodes)), [0] * num_decodes
     for row, start, _, end, _ in few:
         tokens += range(start, end)
         rows += [row] * (end - start)
         back += range(end - 1 - start, -1, -1)
-        runs += [end - start] + [0] * (end - start - 1)
     device = seq_lens.device
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)
     keys = seq_lens.index_select(0, rows_t) - torch.tensor(back, dtype=seq_lens.dtype, device=device)
-    tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
-    return tokens_t, rows_t, keys.to(torch.int32), torch.tensor(runs, dtype=torch.int32)
+    runs = runs_of([1] * num_decodes + [end - start for _, start, _, end, _ in few])
+    return torch.tensor(tokens, dtype=torch.long, device=device), rows_t, keys.to(torch.int32), runs
 
 
 class StoreBackend(AttentionBackend):
