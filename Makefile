@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-vllm demo test test-vllm test-lowest lint docs bench bench-vllm sweep mutants clean
+.PHONY: install install-vllm demo test test-main test-vllm test-lowest lint docs bench bench-vllm sweep mutants clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,10 +45,15 @@ install-vllm: $(VSTAMP)
 demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
+# The two suites run side by side (each on its own environment; the vLLM one mostly waits on engine starts and
+# subprocesses), each one's output printed whole when it ends. The embedded model is de-quantised first: both read it.
 test: $(STAMP) $(VSTAMP)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # tests/test_docs_render.py
+	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
+	$(MAKE) -j2 --output-sync=target test-main test-vllm
+
+test-main: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/vllm_plugin
-	$(MAKE) test-vllm
 
 # The vLLM tests run in the vLLM environment; they serve the main environment's de-quantised copy of the
 # embedded model (~/.cache/leank) and take LeanKModel.generate references from the main environment.

@@ -26,6 +26,11 @@ MASK = str(ROOT / "hub" / "smollm2-135m-instruct-s3")  # the recommended 0.7 mas
 # (prefix caching and chunked prefill on): naming a mask is the only change.
 KV_SPACE_GIB = 1
 ENGINE = dict(dtype="float32", max_model_len=4096, max_num_seqs=8)
+# The same engine without vLLM's torch.compile, for tests whose subject is the plugin's scheduling (chunks,
+# preemption) or arithmetic (fp8, an all-ones mask): compiling the model takes 50-80 s of each engine's start on
+# two cores, and the compiled path, which calls the same attention, is what `leank_llm`, one chunked case
+# (test_vllm_plugin.py) and the server run.
+EAGER = {**ENGINE, "enforce_eager": True}
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_SPACE_GIB))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +110,17 @@ def leank_llm(model_dir):
     from vllm import LLM
 
     llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def leank_eager_llm(model_dir):
+    """:func:`leank_llm` without torch.compile (:data:`EAGER`)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, **EAGER)
     yield llm
     del llm
     gc.collect()

@@ -62,6 +62,12 @@ CASES = [
     ),
     # an engine setting LeanK does not implement (checked in the worker before: a buried line too)
     ({"leank_mask": MASK}, {"kv_cache_dtype": "bfloat16"}, "LeanK serving does not support kv_cache_dtype='bfloat16'"),
+    # a draft model (the embedded model again, ``MODEL`` below): vLLM's own error was an assertion about cache groups
+    (
+        {"leank_mask": MASK},
+        {"speculative_config": {"method": "draft_model", "model": "MODEL", "num_speculative_tokens": 3}},
+        "LeanK serving does not support speculative decoding by 'draft_model': a drafter with attention layers",
+    ),
     (
         {"leank_mask": MASK},
         {"max_model_len": 95},
@@ -76,7 +82,10 @@ def test_a_bad_leank_setting_reaches_the_caller_of_a_multiprocess_engine_as_lean
     """``LLM(...)`` with vLLM's engine subprocess: each bad setting is a MaskError raised in the caller, its message
     leank's one line (before: RuntimeError "Engine core initialization failed", leank's line only in the log)."""
     masks = _masks(tmp_path)
-    cases = [{"config": {k: masks.get(v, v) for k, v in config.items()}, "engine": engine}
+    model = {"MODEL": str(model_dir)}
+    cases = [{"config": {k: masks.get(v, v) for k, v in config.items()},
+              "engine": {k: {a: model.get(b, b) for a, b in v.items()} if isinstance(v, dict) else v
+                         for k, v in engine.items()}}
              for config, engine, _ in CASES]  # fmt: skip
     job = {"model": str(model_dir), "engine": {**ENGINE, "enforce_eager": True}, "cases": cases}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)}

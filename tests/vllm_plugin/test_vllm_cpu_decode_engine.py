@@ -7,7 +7,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_engine_decodes_through_the_kernel_as_through_the_pytorch_path(leank_llm, tokenizer, monkeypatch):
+def test_engine_decodes_through_the_kernel_as_through_the_pytorch_path(leank_eager_llm, tokenizer, monkeypatch):
     """Requests of several lengths (inside the window, a few tiles, past the middle's first pieces) in one batch:
     every decode step calls the kernel (once per layer), every prompt runs in vLLM's CPU attention (cpu_prefill, never
     the per-request SDPA), and switching the kernel off (the PyTorch path) changes no token and moves no
@@ -31,7 +31,7 @@ def test_engine_decodes_through_the_kernel_as_through_the_pytorch_path(leank_llm
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(cpu_decode.ENV_SWITCH, switch)
-        outs = leank_llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = leank_eager_llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         runs[switch] = [
             (list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
             for o in outs

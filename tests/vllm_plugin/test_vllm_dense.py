@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from .conftest import ENGINE
+from .conftest import EAGER
 from .test_vllm_plugin import LENGTHS, generate, prompts  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -20,11 +20,11 @@ def test_all_ones_mask_equals_plain_vllm(model_dir, prompts, tmp_path):  # noqa:
     ChannelMask.full(30, 3, 64, base_model="HuggingFaceTB/SmolLM2-135M-Instruct").save_pretrained(
         tmp_path / "ones"
     )
-    plain = LLM(model=str(model_dir), **ENGINE)
+    plain = LLM(model=str(model_dir), **EAGER)
     want = generate(plain, prompts)
     del plain
     gc.collect()
-    ones = LLM(model=str(model_dir), additional_config={"leank_mask": str(tmp_path / "ones")}, **ENGINE)
+    ones = LLM(model=str(model_dir), additional_config={"leank_mask": str(tmp_path / "ones")}, **EAGER)
     got = generate(ones, prompts)
     assert len(got) == len(LENGTHS)
     assert got == want

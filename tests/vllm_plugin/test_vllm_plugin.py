@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from .conftest import ENGINE, KV_SPACE_GIB, MASK, plain_kv_tokens, reference_tokens
+from .conftest import EAGER, ENGINE, KV_SPACE_GIB, MASK, plain_kv_tokens, reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -131,15 +131,16 @@ def unchunked(leank_llm, shared, prompts) -> list[list[int]]:
     return generate(leank_llm, shared + prompts)
 
 
-@pytest.mark.parametrize("budget, align", [(256, None), (1024, None), (256, 16)])
-def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget, align):
+@pytest.mark.parametrize("budget, align, engine", [(256, None, ENGINE), (1024, None, EAGER), (256, 16, EAGER)])
+def test_chunk_sizes_agree(model_dir, shared, prompts, unchunked, budget, align, engine):
     """Prefill chunks of 256 and 1,024 tokens give the unchunked tokens (and prefix hits inside the run, at multiples
     of 120 tokens: packed pages of 40, window pages of 24); so do packed pages of 16 tokens and window pages of 8
-    (``leank_prefix_align`` 16: hits at multiples of 16)."""
+    (``leank_prefix_align`` 16: hits at multiples of 16). The first engine compiles the model as vLLM does by default,
+    the others run eager (:data:`~.conftest.EAGER`)."""
     from vllm import LLM
 
     config = {"leank_mask": MASK} | ({"leank_prefix_align": align} if align else {})
-    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=budget, **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=budget, **engine)
     try:
         plan = leank_impls(llm)[0].plan
         assert (plan.block_size, plan.window_block) == ((16, 8) if align else (40, 24))
@@ -155,7 +156,7 @@ def test_preemption_and_resumption_are_exact(model_dir, prompts, unchunked, shar
     recomputed later from their prompt and the tokens so far); the tokens do not change."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **EAGER)
     try:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -185,7 +186,7 @@ def test_fp8_kv_stores_bytes_holds_more_and_keeps_the_answers(model_dir, prompts
 
     from leank_infer.vllm.stores import Store
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, kv_cache_dtype="fp8", **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, kv_cache_dtype="fp8", **EAGER)
     try:
         cache = llm.llm_engine.vllm_config.cache_config
         assert cache.kv_cache_size_tokens >= 1.8 * plain_kv_tokens(element_bytes=1)
@@ -243,7 +244,7 @@ def test_the_positional_rule_chunked_and_cached_equals_leank_model(model_dir, sh
     from vllm import LLM
 
     config = {"leank_mask": MASK, "leank_rule": "positional"}
-    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=256, **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config=config, max_num_batched_tokens=256, **EAGER)
     try:
         got = generate(llm, shared[:1]) + generate(llm, shared[1:] + prompts)
         assert got == reference_tokens(shared + prompts, NEW_TOKENS, rule="positional")
