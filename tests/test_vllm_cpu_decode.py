@@ -668,3 +668,28 @@ def test_a_bound_layer_writes_as_the_per_call_write(fp8, monkeypatch):
             assert torch.equal(packed, want_p) and torch.equal(window, want_w) and packed.any()
             assert bool(calls) == (fp8 is None and switch == "1" and k is fused[0] and v is fused[1])
             monkeypatch.setattr(cpu_decode.LayerKernel, "write", real)
+
+
+def test_a_bound_layer_writes_fp32_rows_into_bf16_pages_with_the_library(monkeypatch):
+    """kv_cache_dtype bfloat16 under fp32 weights: BoundLayer.write rounds the step's K/V to the pages' dtype and
+    writes them with the library, the bytes kernels.write (PyTorch, which rounds the same way) puts."""
+    mask = random_mask(2, 3, 16, [5, 0, 16], seed=6, align=16)
+    from leank_infer.vllm.pool import WorkerPlan
+
+    plan = WorkerPlan.build(mask, [0, 1], block_size=16)
+    slot = plan.slots[1]
+    packed = torch.zeros(6, 16, plan.packed_row, dtype=torch.bfloat16)
+    window = torch.zeros(6, 16, plan.window_row, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 8 * 16, generator=g)
+    k, v = qkv[:, 32:80].view(5, 3, 16), qkv[:, 80:].view(5, 3, 16)  # a fused QKV's fp32 rows
+    slots = (torch.tensor([17, -1, 40, 3, 95]), torch.tensor([20, -1, 5, 0, 90]))
+    want_p, want_w = packed.clone(), window.clone()
+    kernels.write_pages(want_p, slots[0], want_w, slots[1], k, v, slot)
+    bound = kernels.BoundLayer(plan, slot, packed, window, torch.float32, 0.25)
+    assert bound.cpu is not None and bound.cpu_write
+    calls: list[int] = []
+    real = cpu_decode.LayerKernel.write
+    monkeypatch.setattr(cpu_decode.LayerKernel, "write", lambda *a: calls.append(1) or real(*a))
+    bound.write(*slots, k, v)
+    assert calls and packed.any() and torch.equal(packed, want_p) and torch.equal(window, want_w)

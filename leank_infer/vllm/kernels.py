@@ -251,6 +251,8 @@ class BoundLayer:
 
     def write(self, packed_slots: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """:func:`write` of the step's K/V ``[n, Hkv, D]``."""
+        if self.cpu_write and k.dtype != self.packed.dtype:  # pages of another float (kv_cache_dtype bfloat16)
+            k, v = k.to(self.packed.dtype), v.to(self.packed.dtype)
         if self.cpu_write and cpu_decode.kv_writable(self.packed, k, v) and cpu_decode.available():
             self.cpu.write(packed_slots, window_slots, k, v)
         else:

@@ -166,14 +166,19 @@ def check_vllm_config(vllm_config: Any) -> None:
 
 
 KV_DTYPES = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")  # the model's dtype, or fp8 (one byte an element)
+# a 2-byte float other than the model's (fp32 weights, bf16 pages): the CPU build's kernels read and write it; on CUDA
+# the Triton kernels' conversions are untried (no GPU here), so it stays refused there
+HALF_KV_DTYPES = ("float16", "bfloat16")
 
 
 def check_engine(vllm_config: Any) -> None:
     """Refuse engine settings the LeanK backend does not implement (one error naming each)."""
     problems = []
     dtype = vllm_config.cache_config.cache_dtype
-    if dtype not in KV_DTYPES:
-        problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8)")
+    cpu = vllm_config.device_config.device_type == "cpu"
+    if dtype not in KV_DTYPES and not (cpu and dtype in HALF_KV_DTYPES):
+        also = "" if cpu else "; float16 or bfloat16 on the CPU build only"
+        problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8{also})")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
     spec = getattr(vllm_config, "speculative_config", None)

@@ -61,7 +61,11 @@ CASES = [
         "requests of at least 2147483712 tokens)",
     ),
     # an engine setting LeanK does not implement (checked in the worker before: a buried line too)
-    ({"leank_mask": MASK}, {"kv_cache_dtype": "bfloat16"}, "LeanK serving does not support kv_cache_dtype='bfloat16'"),
+    (
+        {"leank_mask": MASK},
+        {"kv_cache_dtype": "turboquant_k8v4"},
+        "LeanK serving does not support kv_cache_dtype='turboquant_k8v4'",
+    ),
     # a draft model (the embedded model again, ``MODEL`` below): vLLM's own error was an assertion about cache groups
     (
         {"leank_mask": MASK},

@@ -179,20 +179,24 @@ def test_preemption_and_resumption_are_exact(model_dir, prompts, unchunked, shar
         gc.collect()
 
 
-def test_fp8_kv_stores_bytes_holds_more_and_keeps_the_answers(model_dir, prompts, unchunked):
-    """fp8 KV: every LeanK store is one byte an element, vLLM reports >= 1.8x plain fp8's tokens, greedy
-    tokens stay those of fp32 KV (e4m3 keeps 3 mantissa bits: a 135M model's top token rarely moves)."""
+@pytest.mark.parametrize("kv_dtype, element_bytes", [("fp8", 1), ("bfloat16", 2)])
+def test_a_smaller_kv_dtype_stores_its_bytes_holds_more_and_keeps_the_answers(
+    model_dir, prompts, unchunked, kv_dtype, element_bytes
+):
+    """fp8 KV, and bf16 KV under the fp32 weights: every LeanK store is that many bytes an element, vLLM reports >=
+    1.8x plain vLLM's tokens at that KV dtype, greedy tokens stay those of fp32 KV (e4m3 keeps 3 mantissa bits, bf16
+    7: a 135M model's top token rarely moves)."""
     from vllm import LLM
 
     from leank_infer.vllm.stores import Store
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, kv_cache_dtype="fp8", **EAGER)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, kv_cache_dtype=kv_dtype, **EAGER)
     try:
         cache = llm.llm_engine.vllm_config.cache_config
-        assert cache.kv_cache_size_tokens >= 1.8 * plain_kv_tokens(element_bytes=1)
+        assert cache.kv_cache_size_tokens >= 1.8 * plain_kv_tokens(element_bytes=element_bytes)
         ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
         stores = [m for m in ctx.values() if isinstance(m, Store)]
-        assert stores and all(s.kv_cache.element_size() == 1 for s in stores)
+        assert stores and all(s.kv_cache.element_size() == element_bytes for s in stores)
         got = generate(llm, prompts)
         want = unchunked[-len(prompts) :]
         assert [g[0] for g in got] == [w[0] for w in want]  # the first answer token of every prompt
