@@ -46,11 +46,11 @@ demo: $(STAMP)
 	$(VENV)/bin/leank run recipes/smollm2-135m.yaml --quick
 
 # The two suites run side by side (each on its own environment; the vLLM one mostly waits on engine starts and
-# subprocesses), each one's output printed whole when it ends. The embedded model is de-quantised first: both read it.
+# subprocesses), their output lines interleaved. The embedded model is de-quantised first: both read it.
 test: $(STAMP) $(VSTAMP)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # tests/test_docs_render.py
 	$(PY) -c "from leank_infer import load_base_model; load_base_model('embedded')"
-	$(MAKE) -j2 --output-sync=target test-main test-vllm
+	$(MAKE) -j2 --output-sync=line test-main test-vllm
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/vllm_plugin

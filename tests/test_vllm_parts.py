@@ -106,18 +106,21 @@ def dense_leank(q, k, v, keep, sink, mid_end, scale):
         ("cpu", "float16", None),
         ("cuda", "fp8", None),
         ("cuda", "bfloat16", "kv_cache_dtype='bfloat16' (LeanK stores K/V in the model dtype or fp8; float16 or bf"),
+        ("cuda", "float32", None),  # the model's own dtype, spelt out
         ("cpu", "fp8_inc", "kv_cache_dtype='fp8_inc' (LeanK stores K/V in the model dtype or fp8)"),
     ],
 )
 def test_a_two_byte_kv_dtype_is_served_on_the_cpu_build_only(device, kv_dtype, refused):
-    """The engine check: the model's dtype or fp8 everywhere, float16/bfloat16 pages on the CPU build (its write and
-    decode convert; the Triton kernels' conversions are untried), nothing else."""
+    """The engine check (fp32 weights): the model's dtype (``auto`` or named) or fp8 everywhere, float16/bfloat16
+    pages on the CPU build (its write rounds, its decode reads them; the Triton kernels' conversions are untried),
+    nothing else."""
     from types import SimpleNamespace
 
     from leank_infer.vllm.settings import check_engine
 
     config = SimpleNamespace(
         cache_config=SimpleNamespace(cache_dtype=kv_dtype), device_config=SimpleNamespace(device_type=device),
+        model_config=SimpleNamespace(dtype=torch.float32),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1), speculative_config=None,
     )  # fmt: skip
     if refused is None:

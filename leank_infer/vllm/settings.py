@@ -176,13 +176,14 @@ def check_engine(vllm_config: Any) -> None:
     problems = []
     dtype = vllm_config.cache_config.cache_dtype
     cpu = vllm_config.device_config.device_type == "cpu"
-    if dtype not in KV_DTYPES and not (cpu and dtype in HALF_KV_DTYPES):
+    own = str(vllm_config.model_config.dtype).removeprefix("torch.")  # the model's dtype, spelt out
+    if dtype not in KV_DTYPES and dtype != own and not (cpu and dtype in HALF_KV_DTYPES):
         also = "" if cpu else "; float16 or bfloat16 on the CPU build only"
         problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8{also})")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and spec.uses_draft_kv_cache():
+    if spec is not None and (spec.use_eagle() or spec.uses_draft_model()):
         # vLLM 0.32 runs a drafter's layers on one attention metadata, so they must form one KV cache group; its
         # grouping beside LeanK's stores (one layer each) makes a group of every drafter layer
         problems.append(

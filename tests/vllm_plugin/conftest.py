@@ -23,7 +23,7 @@ pytest.importorskip(
 ROOT = Path(__file__).resolve().parents[2]
 MASK = str(ROOT / "hub" / "smollm2-135m-instruct-s3")  # the recommended 0.7 mask (whole heads)
 # One engine shape for every test: fp32 like the HF reference, 1 GiB of KV, and otherwise vLLM's defaults
-# (prefix caching and chunked prefill on): naming a mask is the only change.
+# (prefix caching and chunked prefill on): naming a mask is the only change (EAGER below: not compiling either).
 KV_SPACE_GIB = 1
 ENGINE = dict(dtype="float32", max_model_len=4096, max_num_seqs=8)
 # The same engine without vLLM's torch.compile, for tests whose subject is the plugin's scheduling (chunks,

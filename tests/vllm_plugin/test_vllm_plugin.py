@@ -1,5 +1,6 @@
 """vLLM + LeanK on the embedded SmolLM2 with vLLM's defaults: the pool, exact greedy decoding, prefix caching,
-chunked prefill, preemption, start-up errors."""
+chunked prefill, preemption, start-up errors (the tests of scheduling and KV dtypes on eager engines, conftest's
+``EAGER``)."""
 
 from __future__ import annotations
 
