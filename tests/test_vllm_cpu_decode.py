@@ -534,8 +534,11 @@ def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, th
     shuffled blocks strided by more than a page (NaN between), requests long and short; kernels.prompt_kv takes
     it and equals request_kv(whole=True), the chunk's own K/V after the gathered ones. Window pages of the plan's block
     size or of 7 tokens; a run from the middle of a prompt (``first``) reads the same rows as the whole gather."""
+    from unittest import mock
+
     from leank_infer.vllm.paged_reference import full_rows, request_kv
 
+    real_gather = cpu_decode.gather
     torch.set_num_threads(threads)
     mask = random_mask(2, 3, 16, counts, seed=7, align=16)
     lengths = [1, 15, 16, 17, 300]
@@ -573,6 +576,12 @@ def test_the_prompt_gather_is_the_reference_gather(dtype, counts, block_size, th
         slow = [torch.full((n + 3, 16, 3), -7.0, dtype=dtype).transpose(1, 2) for _ in range(2)]
         kernels.prompt_rows(pg.plan, pg.slot, *tables, n - first, *slow, first=first)  # not contiguous: PyTorch's
         assert torch.equal(slow[0][: n - first], want_k[first:]) and torch.equal(slow[1][: n - first], want_v[first:])
+        if dtype != torch.float32:  # 2-byte pages into fp32 rows (kv_cache_dtype bfloat16): the library's, widened
+            wide = [torch.full((n + 3, 3, 16), -7.0) for _ in range(2)]
+            with mock.patch.object(cpu_decode, "gather", wraps=real_gather) as library:
+                kernels.prompt_rows(pg.plan, pg.slot, *tables, n - first, *wide, first=first)
+            assert library.called and torch.equal(wide[0][: n - first], want_k[first:].float())
+            assert torch.equal(wide[1][: n - first], want_v[first:].float()) and (wide[0][n - first :] == -7.0).all()
         first = n // 2  # a chunk from the middle of the prompt on: its own K/V follow the gathered ones
         new_k, new_v = pg.keys[b][first:] * 2, pg.values[b][first:] * 2
         got = kernels.prompt_kv(pg.plan, pg.slot, *tables, n, first, new_k, new_v, dtype)

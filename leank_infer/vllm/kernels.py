@@ -107,9 +107,14 @@ def prompt_rows(
     """Every channel of a request's prompt tokens ``[first, first + n)`` (their packed and rest rows: the dense-prompt
     rule keeps the rest rows until the prompt is computed) into ``k``/``v`` ``[>= n, Hkv, D]``: one pass of the CPU
     library where it covers the pages (:func:`~leank_infer.vllm.cpu_decode.gather`), else PyTorch's
-    (:func:`~leank_infer.vllm.paged_reference.full_rows`, four copies; fp8 pages, CUDA)."""
+    (:func:`~leank_infer.vllm.paged_reference.full_rows`, four copies; fp8 pages, CUDA). Pages of a 2-byte float under
+    wider ``k``/``v`` (``kv_cache_dtype`` bfloat16 under fp32 weights): the library's rows, then widened."""
     if cpu_decode.supports_gather(packed, window, k.dtype) and k.is_contiguous() and cpu_decode.available():
         cpu_decode.gather(packed, packed_table, window, window_table, n, slot, k, v, first=first)
+    elif cpu_decode.supports_gather(packed, window, packed.dtype) and cpu_decode.available():
+        rows = torch.empty(2, n, *k.shape[1:], dtype=packed.dtype)
+        cpu_decode.gather(packed, packed_table, window, window_table, n, slot, rows[0], rows[1], first=first)
+        k[:n], v[:n] = rows[0], rows[1]  # exact: every bf16/fp16 value is an fp32 one
     else:
         positions = torch.arange(first, first + n, device=packed.device)
         k[:n], v[:n] = full_rows(
