@@ -182,7 +182,7 @@ def check_engine(vllm_config: Any) -> None:
         problems.append(f"kv_cache_dtype={dtype!r} (LeanK stores K/V in the model dtype or fp8{also})")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
-    spec = getattr(vllm_config, "speculative_config", None)
+    spec = vllm_config.speculative_config
     if spec is not None and (spec.use_eagle() or spec.uses_draft_model()):
         # vLLM 0.32 runs a drafter's layers on one attention metadata, so they must form one KV cache group; its
         # grouping beside LeanK's stores (one layer each) makes a group of every drafter layer

@@ -107,20 +107,20 @@ def leank_llm(model_dir):
     Per module, not per session: deleting any in-process engine tears down vLLM's process-wide parallel
     state (``EngineCore.shutdown`` calls ``cleanup_dist_env_and_memory``), so an engine cannot outlive
     another module's engines."""
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **ENGINE)
-    yield llm
-    del llm
-    gc.collect()
+    yield from _module_engine(model_dir, ENGINE)
 
 
 @pytest.fixture(scope="module")
 def leank_eager_llm(model_dir):
     """:func:`leank_llm` without torch.compile (:data:`EAGER`)."""
+    yield from _module_engine(model_dir, EAGER)
+
+
+def _module_engine(model_dir: Path, engine: dict):
+    """A LeanK engine with ``engine``'s arguments, stats on, deleted when its module is done."""
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, **EAGER)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, disable_log_stats=False, **engine)
     yield llm
     del llm
     gc.collect()

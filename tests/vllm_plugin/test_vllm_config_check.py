@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .conftest import ENGINE, MASK, ROOT
+from .conftest import EAGER, MASK, ROOT
 
 # Each case in a fresh process with vLLM's engine subprocess on (V1 multiprocessing, vLLM's default): the tests'
 # own process keeps its engines in-process (conftest), and vLLM caches its environment once an engine has run.
@@ -44,7 +44,7 @@ def _masks(tmp_path) -> dict[str, str]:
     }
 
 
-# (additional_config, engine arguments beyond conftest's ENGINE, leank's line)
+# (additional_config, engine arguments beyond conftest's EAGER, leank's line)
 CASES = [
     ({"leank_mask": ""}, {}, "additional_config['leank_mask'] is '': give a mask folder or Hub repo id"),
     ({"leank-mask": MASK}, {}, "unknown LeanK setting(s) ['leank-mask'] in additional_config"),
@@ -91,7 +91,7 @@ def test_a_bad_leank_setting_reaches_the_caller_of_a_multiprocess_engine_as_lean
               "engine": {k: {a: model.get(b, b) for a, b in v.items()} if isinstance(v, dict) else v
                          for k, v in engine.items()}}
              for config, engine, _ in CASES]  # fmt: skip
-    job = {"model": str(model_dir), "engine": {**ENGINE, "enforce_eager": True}, "cases": cases}
+    job = {"model": str(model_dir), "engine": EAGER, "cases": cases}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)}
     env.pop("LEANK_MASK", None)
     run = subprocess.run([sys.executable, "-c", CALLER], input=json.dumps(job), capture_output=True, text=True,
@@ -182,10 +182,10 @@ def test_an_engine_whose_pool_cannot_hold_one_long_prompt_stops_at_start(model_d
     from leank_infer import MaskError
 
     alarm(600)  # the old behaviour: a generate that never returns
-    engine = {**ENGINE, "max_model_len": 1536}
+    engine = {**EAGER, "max_model_len": 1536}
     with pytest.raises(MaskError) as err:
         llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, num_gpu_blocks_override=100,
-                  enforce_eager=True, **engine)  # fmt: skip
+                  **engine)  # fmt: skip
         prompts = [
             {"prompt_token_ids": [(7 * i + j) % 5000 + 10 for j in range(1000 + 30 * i)]} for i in range(3)
         ]

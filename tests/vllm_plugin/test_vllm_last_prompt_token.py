@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from .conftest import ENGINE, MASK, reference_tokens
+from .conftest import EAGER, MASK, reference_tokens
 from .test_vllm_plugin import leank_impls, prose, run
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ NEW_TOKENS = 16
 def test_a_hit_that_leaves_the_last_prompt_token_equals_leank_model(model_dir, tokenizer):
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, enforce_eager=True, **ENGINE)
+    llm = LLM(model=str(model_dir), additional_config={"leank_mask": MASK}, **EAGER)
     try:
         plan = leank_impls(llm)[0].plan  # the engine's block sizes
         block = math.lcm(plan.block_size, plan.window_block)  # vLLM hits prefixes at multiples of every group's block

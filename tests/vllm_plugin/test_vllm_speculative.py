@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from .conftest import ENGINE, MASK, ROOT, reference_tokens
+from .conftest import EAGER, MASK, ROOT, reference_tokens
 from .test_vllm_plugin import prose
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def counted(self, *a, **k):
     return decode(self, *a, **k)
 cpu_decode.LayerKernel.decode = counted
 llm = LLM(model=job["model"], additional_config={"leank_mask": job["mask"]}, speculative_config=job["spec"],
-          enforce_eager=True, disable_log_stats=False, **job["engine"])
+          disable_log_stats=False, **job["engine"])
 params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
 accepted = [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"]
@@ -58,7 +58,7 @@ def test_ngram_speculation_gives_leank_models_greedy_tokens(model_dir, tokenizer
     ask = tokenizer("\n\nRepeat the first paragraph above word for word.").input_ids
     doc = prose(tokenizer)
     prompts = [doc[1000 * i : 1000 * i + n] + ask for i, n in enumerate((300, 700, 1200))]
-    job = {"model": str(model_dir), "mask": MASK, "spec": SPEC, "engine": ENGINE, "new": NEW_TOKENS, "prompts": prompts}
+    job = {"model": str(model_dir), "mask": MASK, "spec": SPEC, "engine": EAGER, "new": NEW_TOKENS, "prompts": prompts}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(job), capture_output=True, text=True,
                          env=env, timeout=900)  # fmt: skip
